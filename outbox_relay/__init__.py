@@ -1,0 +1,93 @@
+"""outbox-relay: deliver transactional-outbox rows from PostgreSQL through Celery.
+
+The public API. Producers call ``enqueue`` inside their business transaction;
+relays claim rows under a lease with a fencing token (``lease_version``),
+publish outside any transaction, and finalize only while the fence holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backoff import full_jitter_backoff
+from .config import Settings
+from .errors import (
+    ConfigError,
+    Defer,
+    InvalidIdentifier,
+    InvalidMessage,
+    OperationKeyConflict,
+    OutboxError,
+    PermanentError,
+    PublishError,
+    RetryableError,
+)
+from .message import Claimed, LeaseRef, Message, idempotency_key
+from .producer import NewMessage, enqueue, enqueue_many
+from .relay import DeliveryReport, Relay, RetryPolicy, classify, dispatch_once
+from .store import (
+    Outcome,
+    claim,
+    extend_lease,
+    extend_leases,
+    finalize,
+    mark_dead,
+    mark_done,
+    migrate,
+    reap,
+    reschedule,
+    stats,
+)
+from .table import OutboxTable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Claimed",
+    "ConfigError",
+    "Defer",
+    "DeliveryReport",
+    "InvalidIdentifier",
+    "InvalidMessage",
+    "LeaseRef",
+    "Message",
+    "NewMessage",
+    "OperationKeyConflict",
+    "OutboxError",
+    "OutboxTable",
+    "Outcome",
+    "PermanentError",
+    "PublishError",
+    "Relay",
+    "RetryPolicy",
+    "RetryableError",
+    "Settings",
+    "__version__",
+    "claim",
+    "classify",
+    "dispatch_once",
+    "enqueue",
+    "enqueue_many",
+    "extend_lease",
+    "extend_leases",
+    "finalize",
+    "full_jitter_backoff",
+    "idempotency_key",
+    "install",
+    "mark_dead",
+    "mark_done",
+    "migrate",
+    "reap",
+    "reschedule",
+    "stats",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The Celery integration is imported on first use, so producers that only
+    # call enqueue() never pay for importing Celery.
+    if name == "install":
+        from .celery.install import install
+
+        return install
+    raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")

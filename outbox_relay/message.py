@@ -1,0 +1,79 @@
+"""The two shapes a row takes outside the database.
+
+``Claimed`` is what ``claim`` returns: a row plus the lease that makes it
+ours (``lease_version`` is the fencing token every finalize must present).
+``Message`` is what a publisher sees: the same content plus the stable
+idempotency key the receiver uses to drop duplicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+__all__ = ["Claimed", "LeaseRef", "Message", "idempotency_key"]
+
+
+def idempotency_key(message_id: int, operation_key: str | None, prefix: str = "outbox-") -> str:
+    """The receiver-facing de-duplication key: stable across retries and leases."""
+    return operation_key if operation_key else f"{prefix}{message_id}"
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """What a Celery fan-out message carries: a row id and the lease it was claimed under."""
+
+    id: int
+    lease_version: int
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A row this worker leased. ``False`` from a finalize means the lease was lost."""
+
+    id: int
+    lease_version: int
+    attempts: int
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: Any
+    headers: dict[str, Any] = field(default_factory=dict)
+    operation_key: str | None = None
+    created_at: datetime | None = None
+    lease_until: datetime | None = None
+
+    @property
+    def ref(self) -> LeaseRef:
+        return LeaseRef(self.id, self.lease_version)
+
+    def to_message(self, prefix: str = "outbox-") -> Message:
+        return Message(
+            id=self.id,
+            idempotency_key=idempotency_key(self.id, self.operation_key, prefix),
+            aggregate_type=self.aggregate_type,
+            aggregate_id=self.aggregate_id,
+            event_type=self.event_type,
+            payload=self.payload,
+            headers=dict(self.headers or {}),
+            attempts=self.attempts,
+            lease_version=self.lease_version,
+            created_at=self.created_at,
+        )
+
+
+@dataclass(frozen=True)
+class Message:
+    """One outbox message as a publisher receives it."""
+
+    id: int
+    idempotency_key: str
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: Any
+    headers: dict[str, Any]
+    attempts: int
+    lease_version: int
+    created_at: datetime | None

@@ -1,0 +1,95 @@
+"""Where the outbox lives: a validated schema and table name.
+
+Names are checked against a conservative pattern *and* always quoted with
+``psycopg.sql.Identifier`` when they reach SQL, so a configuration value can
+never smuggle SQL in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from psycopg import sql
+
+from .errors import InvalidIdentifier
+
+__all__ = ["OutboxTable"]
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Index names are the table name plus a suffix of up to 16 characters and must
+# fit PostgreSQL's 63-byte identifier limit.
+_MAX_TABLE_NAME = 40
+_MAX_SCHEMA_NAME = 63
+
+
+def _check(kind: str, value: str, limit: int) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise InvalidIdentifier(
+            f"invalid outbox {kind} name {value!r}: use letters, digits and underscores, "
+            "not starting with a digit"
+        )
+    if len(value) > limit:
+        raise InvalidIdentifier(f"outbox {kind} name {value!r} is longer than {limit} characters")
+    return value
+
+
+@dataclass(frozen=True)
+class OutboxTable:
+    """A schema-qualified outbox table, e.g. ``OutboxTable.parse("app.outbox")``."""
+
+    name: str = "outbox"
+    schema: str = "public"
+
+    def __post_init__(self) -> None:
+        _check("table", self.name, _MAX_TABLE_NAME)
+        _check("schema", self.schema, _MAX_SCHEMA_NAME)
+
+    @classmethod
+    def parse(cls, value: str | OutboxTable | None) -> OutboxTable:
+        """Accept ``"outbox"``, ``"schema.outbox"`` or an ``OutboxTable``."""
+        if value is None:
+            return cls()
+        if isinstance(value, OutboxTable):
+            return value
+        if not isinstance(value, str):
+            raise InvalidIdentifier(f"outbox table must be a string, not {type(value).__name__}")
+        parts = value.split(".")
+        if len(parts) == 1:
+            return cls(name=parts[0])
+        if len(parts) == 2:
+            return cls(schema=parts[0], name=parts[1])
+        raise InvalidIdentifier(
+            f"invalid outbox table {value!r}: expected 'table' or 'schema.table'"
+        )
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def identifier(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.name)
+
+    def related(self, suffix: str) -> sql.Identifier:
+        """A relation beside the table (the migrations table, the inbox ...)."""
+        return sql.Identifier(self.schema, f"{self.name}_{suffix}")
+
+    def index(self, suffix: str) -> sql.Identifier:
+        """An index name; indexes live in their table's schema, so unqualified."""
+        return sql.Identifier(f"{self.name}_{suffix}")
+
+    @property
+    def channel(self) -> str:
+        """The LISTEN/NOTIFY channel that announces new rows in this table."""
+        channel = f"outbox_relay.{self.schema}.{self.name}"
+        if len(channel) > 63:
+            digest = hashlib.sha1(channel.encode(), usedforsecurity=False).hexdigest()[:20]
+            channel = f"outbox_relay.{digest}"
+        return channel
+
+    @property
+    def lock_key(self) -> str:
+        """Text hashed into advisory-lock keys that belong to this table."""
+        return f"outbox_relay:{self.schema}.{self.name}"
