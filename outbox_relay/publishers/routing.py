@@ -1,0 +1,80 @@
+"""Route messages to publishers by event type.
+
+Patterns are shell-style (``order.*``); the most specific match wins (exact
+names before patterns, longer patterns before shorter), and ``"*"`` or a
+``default`` catches the rest. An event type with no route is a
+``PermanentError`` at publish time, and ``Router.check`` lets start-up code
+fail early for the event types it knows.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
+from typing import Any
+
+from ..errors import ConfigError, PermanentError
+from ..message import Message
+from .base import Publisher, resolve_publisher
+
+__all__ = ["Router"]
+
+
+class Router:
+    """A publisher that hands each message to the publisher of its event type."""
+
+    def __init__(self, routes: Mapping[str, Publisher], default: Publisher | None = None) -> None:
+        if not routes and default is None:
+            raise ConfigError("a publisher routing table needs at least one route")
+        self._exact = {k: v for k, v in routes.items() if not _is_pattern(k)}
+        # Longest pattern first: "order.paid.*" beats "order.*" beats "*".
+        self._patterns = sorted(
+            ((k, v) for k, v in routes.items() if _is_pattern(k)),
+            key=lambda kv: (-len(kv[0].replace("*", "")), kv[0]),
+        )
+        self._default = default
+        self._lookup = lru_cache(maxsize=1024)(self._find)
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], *, setting: str = "OUTBOX_PUBLISHER", **options: Any
+    ) -> Router:
+        routes: dict[str, Publisher] = {}
+        default: Publisher | None = None
+        for pattern, spec in config.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"{setting}: route keys must be event-type patterns")
+            publisher = resolve_publisher(spec, setting=f"{setting}[{pattern!r}]", **options)
+            if pattern == "default":
+                default = publisher
+            else:
+                routes[pattern] = publisher
+        return cls(routes, default)
+
+    def _find(self, event_type: str) -> Publisher | None:
+        if event_type in self._exact:
+            return self._exact[event_type]
+        for pattern, publisher in self._patterns:
+            if fnmatch.fnmatchcase(event_type, pattern):
+                return publisher
+        return self._default
+
+    def route(self, event_type: str) -> Publisher | None:
+        return self._lookup(event_type)
+
+    def check(self, event_types: Iterable[str]) -> None:
+        """Raise ConfigError naming every event type that has no route."""
+        missing = sorted({e for e in event_types if self.route(e) is None})
+        if missing:
+            raise ConfigError(f"no publisher route for event type(s): {', '.join(missing)}")
+
+    def __call__(self, message: Message) -> Any:
+        publisher = self.route(message.event_type)
+        if publisher is None:
+            raise PermanentError(f"no publisher route for event type {message.event_type!r}")
+        return publisher(message)
+
+
+def _is_pattern(key: str) -> bool:
+    return any(ch in key for ch in "*?[")
