@@ -8,6 +8,7 @@ message that names the setting.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -83,7 +84,9 @@ class Settings:
     pool_size: int = 4
     purge_after_seconds: float = 7 * 86_400.0
     owner: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Keyword options for the publisher (webhook secret, exchange ...). Kept
+    # out of repr so a secret never reaches a log line.
+    publisher_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -101,8 +104,6 @@ class Settings:
         conf = conf or {}
         values: dict[str, Any] = {}
         for f in fields(cls):
-            if f.name == "extra":
-                continue
             if f.name in overrides:
                 raw = overrides[f.name]
             elif _conf_get(conf, f"outbox_{f.name}") is not None:
@@ -182,6 +183,15 @@ def _coerce(name: str, annotation: Any, raw: Any) -> Any:
         return _as_bool(name, raw)
     if kind.startswith("tuple"):
         return _as_names(name, raw)
+    if kind.startswith("Mapping"):
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw) if raw.strip() else {}
+            except ValueError:
+                raise ConfigError(f"{_env_name(name)} must be a JSON object") from None
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{_env_name(name)} must be a mapping, got {raw!r}")
+        return dict(raw)
     if kind.startswith("str | None") or kind == "str":
         if raw is not None and not isinstance(raw, str):
             raise ConfigError(f"{_env_name(name)} must be a string, got {raw!r}")

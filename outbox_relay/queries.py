@@ -35,6 +35,7 @@ def _identifiers(table: OutboxTable) -> dict[str, sql.Composable]:
         "ix_done": table.index("done"),
         "ix_inbox_received": table.index("inbox_received"),
         "leased_iff_processing": sql.Identifier(f"{table.name}_leased_iff_processing"),
+        "channel": sql.Identifier(table.channel),
     }
 
 

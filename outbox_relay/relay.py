@@ -21,10 +21,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 
@@ -36,7 +35,9 @@ from .store import Outcome
 from .table import OutboxTable
 
 __all__ = [
+    "Database",
     "DeliveryReport",
+    "DirectDatabase",
     "LeaseKeeper",
     "Publisher",
     "Relay",
@@ -49,7 +50,28 @@ __all__ = [
 log = logging.getLogger("outbox_relay.relay")
 
 Publisher = Callable[[Message], Any]
-ConnectionSource = Callable[[], AbstractContextManager[psycopg.Connection[Any]]]
+T = TypeVar("T")
+
+
+class Database(Protocol):
+    """Runs a function with a connection. The Celery runtime's version takes
+    one from a per-process pool and retries once on a broken connection."""
+
+    def run(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T: ...
+
+
+class DirectDatabase:
+    """A ``Database`` over one connection the caller owns."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+
+    def run(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        return fn(self.conn)
+
+
+def as_database(db: psycopg.Connection[Any] | Database) -> Database:
+    return DirectDatabase(db) if isinstance(db, psycopg.Connection) else db
 
 
 @dataclass(frozen=True)
@@ -164,8 +186,8 @@ class LeaseKeeper:
     third of the lease, so a slow but healthy publish keeps its row.
     """
 
-    def __init__(self, connections: ConnectionSource, lease: timedelta, *, table: OutboxTable):
-        self._connections = connections
+    def __init__(self, db: Database, lease: timedelta, *, table: OutboxTable):
+        self._db = db
         self._lease = lease
         self._table = table
         self._held: dict[LeaseRef, float] = {}
@@ -208,8 +230,9 @@ class LeaseKeeper:
             due = [ref for ref, since in self._held.items() if since <= threshold]
         if not due:
             return
-        with self._connections() as conn:
-            kept = store.extend_leases(conn, due, lease=self._lease, table=self._table)
+        kept = self._db.run(
+            lambda conn: store.extend_leases(conn, due, lease=self._lease, table=self._table)
+        )
         now = time.monotonic()
         with self._lock:
             for ref in due:
@@ -282,10 +305,13 @@ class Relay:
         return list(self._pool().map(self._publish, rows))
 
     # -------------------------------------------------------------- delivery
-    def deliver(self, conn: psycopg.Connection[Any], refs: Sequence[LeaseRef]) -> DeliveryReport:
+    def deliver(
+        self, db: psycopg.Connection[Any] | Database, refs: Sequence[LeaseRef]
+    ) -> DeliveryReport:
         """Fence-check, publish, classify and finalize one chunk of leased messages."""
+        database = as_database(db)
         report = DeliveryReport()
-        loaded = store.load_leased(conn, refs, table=self.table)
+        loaded = database.run(lambda conn: store.load_leased(conn, refs, table=self.table))
         ready: list[store.Leased] = []
         released: list[Outcome] = []
         for ref in refs:
@@ -322,7 +348,8 @@ class Relay:
             classify(exc, row.claimed, self.policy, age_seconds=row.age_seconds)
             for row, (exc, _) in zip(ready, results)
         ]
-        changed = store.finalize(conn, outcomes + released, table=self.table)
+        writes = outcomes + released
+        changed = database.run(lambda conn: store.finalize(conn, writes, table=self.table))
         report.released = sum(1 for o in released if o.id in changed)
         for row, outcome, (_, seconds) in zip(ready, outcomes, results):
             self.observer.published(row.claimed, outcome, seconds)

@@ -244,3 +244,10 @@ SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation
        lease_version, last_error, done_at
   FROM {table}
  WHERE id = %(id)s;
+
+-- name: listen
+-- {channel} is the table's notification channel (OutboxTable.channel).
+LISTEN {channel};
+
+-- name: table_exists
+SELECT to_regclass(%(qualified)s) IS NOT NULL;

@@ -1,0 +1,32 @@
+"""The standalone relay app: ``celery -A outbox_relay.app worker`` / ``beat``.
+
+Configured from the environment (``CELERY_BROKER_URL``, ``OUTBOX_DSN``,
+``OUTBOX_PUBLISHER`` and the other ``OUTBOX_*`` settings), and from a
+``celeryconfig`` module when one is importable (set ``CELERY_CONFIG_MODULE`` to
+use another name).
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from .celery import install
+
+__all__ = ["app"]
+
+app = Celery("outbox_relay")
+app.conf.update(
+    broker_url=os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    # JSON only: task arguments are ids and versions, never pickled objects.
+    task_serializer="json",
+    accept_content=["json"],
+    result_serializer="json",
+    task_ignore_result=True,
+    task_default_queue=os.environ.get("OUTBOX_QUEUE", "outbox"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=True,
+)
+app.config_from_object(os.environ.get("CELERY_CONFIG_MODULE", "celeryconfig"), silent=True)
+install(app)

@@ -1,0 +1,125 @@
+"""Wake the relay when rows arrive: LISTEN on the outbox channel, debounced.
+
+``enqueue`` sends a NOTIFY that PostgreSQL delivers at commit. A thread in
+the worker's main process listens and, on a notification, sends one
+``outbox_relay.claim`` task; notifications that arrive within the debounce
+window are folded into one more claim at its end. Beat's polling stays the
+safety net: a lost notification, a dropped LISTEN connection or a relay that
+was down only delays delivery until the next tick. The claim runs in a pool
+process; this thread never touches the outbox itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import psycopg
+from celery import bootsteps
+
+from ..queries import queries_for
+
+__all__ = ["NotifyListener", "RelayWorkerStep"]
+
+log = logging.getLogger("outbox_relay.celery")
+
+
+class NotifyListener:
+    """A daemon thread that turns NOTIFYs into claim tasks."""
+
+    def __init__(self, dsn: str, channel_sql: str, trigger: Any, *, debounce: float = 0.05) -> None:
+        self.dsn = dsn
+        self.channel_sql = channel_sql
+        self.trigger = trigger
+        self.debounce = debounce
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.triggered = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="outbox-listen", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _fire(self) -> None:
+        try:
+            self.trigger()
+            self.triggered += 1
+        except Exception:
+            log.warning("could not send a claim task after NOTIFY", exc_info=True)
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self.dsn, autocommit=True) as conn:
+                    conn.execute(self.channel_sql)
+                    backoff = 0.5
+                    # Rows may have arrived while we were not listening.
+                    self._fire()
+                    self._listen(conn)
+            except Exception:
+                if self._stop.is_set():
+                    return
+                log.warning("LISTEN connection failed; reconnecting in %.1fs", backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _listen(self, conn: psycopg.Connection[Any]) -> None:
+        last = 0.0
+        while not self._stop.is_set():
+            got = False
+            for _ in conn.notifies(timeout=1.0, stop_after=1):
+                got = True
+            if not got:
+                continue
+            wait = last + self.debounce - time.monotonic()
+            if wait > 0:
+                # A claim went out moments ago; fold this burst into one more.
+                self._stop.wait(wait)
+            # Swallow what queued up meanwhile: one claim drains all of it.
+            for _ in conn.notifies(timeout=0.0):
+                pass
+            last = time.monotonic()
+            self._fire()
+
+
+class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Validates the relay at worker start and runs the NOTIFY listener."""
+
+    label = "outbox-relay"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.listener: NotifyListener | None = None
+        rt = getattr(worker.app, "outbox_relay", None)
+        self.rt = rt
+        if rt is None:
+            return
+        # Fail at start, with a message naming the setting, not at the first task.
+        rt.validate()
+        rt.check_database()
+
+    def start(self, worker: Any) -> None:
+        rt = self.rt
+        if rt is None or not rt.settings.listen:
+            return
+        s = rt.settings
+        claim = worker.app.tasks["outbox_relay.claim"]
+
+        def trigger() -> None:
+            claim.apply_async(queue=s.queue, serializer="json")
+
+        self.listener = NotifyListener(s.require_dsn(), queries_for(s.outbox_table).listen, trigger)
+        self.listener.start()
+
+    def stop(self, worker: Any) -> None:
+        if self.listener is not None:
+            self.listener.stop()
+            self.listener = None

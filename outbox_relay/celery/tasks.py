@@ -1,0 +1,179 @@
+"""The relay's Celery tasks: ``outbox_relay.claim``, ``deliver``, ``deliver_batch``.
+
+Rules these tasks follow (each one is a way Celery loses or repeats work):
+
+* Claim, commit, then fan out; never publish inside the claim transaction.
+* Fan-out messages carry only ``(id, lease_version)`` and expire before the
+  lease ends, so a backlogged task is dropped instead of publishing late.
+* No ``Task.retry``, countdown or ETA: a failure is one fenced UPDATE that
+  sets ``available_at``; the task itself returns normally.
+* The broker message is a hint. If it is lost, the lease expires and the
+  row is claimed again; if it arrives twice or late, the fence turns it away.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from .. import store
+from ..message import Claimed, LeaseRef
+from ..store import Outcome
+
+if TYPE_CHECKING:
+    from .runtime import RelayRuntime
+
+__all__ = ["CLAIM", "DELIVER", "DELIVER_BATCH", "register_tasks", "task_annotations"]
+
+log = logging.getLogger("outbox_relay.celery")
+
+CLAIM = "outbox_relay.claim"
+DELIVER = "outbox_relay.deliver"
+DELIVER_BATCH = "outbox_relay.deliver_batch"
+
+
+def _argsrepr(refs: Sequence[LeaseRef]) -> str:
+    if len(refs) == 1:
+        return f"(outbox #{refs[0].id} v{refs[0].lease_version})"
+    first, last = refs[0].id, refs[-1].id
+    return f"({len(refs)} outbox messages #{first}..#{last})"
+
+
+def register_tasks(app: Any, rt: RelayRuntime) -> dict[str, Any]:
+    """Define the relay tasks on ``app``; return them by short name."""
+
+    @app.task(name=DELIVER, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
+    def deliver(self: Any, outbox_id: int, lease_version: int) -> dict[str, int]:
+        """Deliver one leased message (the default, one task per message)."""
+        report = rt.relay().deliver(rt.db(), [LeaseRef(int(outbox_id), int(lease_version))])
+        return {"done": report.done, "retried": report.retried, "dead": report.dead}
+
+    @app.task(name=DELIVER_BATCH, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
+    def deliver_batch(self: Any, refs: list[list[int]]) -> dict[str, int]:
+        """Deliver a chunk: one load, concurrent publishes, one batched finalize."""
+        leases = [LeaseRef(int(i), int(v)) for i, v in refs]
+        report = rt.relay().deliver(rt.db(), leases)
+        return {"done": report.done, "retried": report.retried, "dead": report.dead}
+
+    @app.task(name=CLAIM, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
+    def claim(self: Any) -> dict[str, int]:
+        """Claim due rows and fan them out; keep draining while batches come back full."""
+        return _claim_and_fan_out(app, rt, claim, deliver, deliver_batch)
+
+    return {"claim": claim, "deliver": deliver, "deliver_batch": deliver_batch}
+
+
+def task_annotations(app: Any, name: str) -> dict[str, Any]:
+    """The ``task_annotations`` a user set for one task (dict form, and ``"*"``)."""
+    found: dict[str, Any] = {}
+    configured = app.conf.get("task_annotations") or {}
+    if isinstance(configured, dict):
+        for key in ("*", name):
+            value = configured.get(key)
+            if isinstance(value, dict):
+                found.update(value)
+    return found
+
+
+def _release(rt: RelayRuntime, claimed: Sequence[Claimed], reason: str) -> None:
+    """Give rows back at once (attempt refunded) instead of waiting out their lease."""
+    if not claimed:
+        return
+    outcomes = [
+        Outcome.retry(c, delay=timedelta(0), error=reason, refund_attempt=True) for c in claimed
+    ]
+    table = rt.settings.outbox_table
+    try:
+        rt.db().run(lambda conn: store.finalize(conn, outcomes, table=table))
+    except Exception:
+        log.exception("could not release %d claimed rows; their leases will expire", len(claimed))
+
+
+def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_batch: Any) -> None:
+    s = rt.settings
+    size = s.chunk_size
+    chunks = [claimed[i : i + size] for i in range(0, len(claimed), size)]
+    # Expire before the lease does, leaving room for a whole publish: a task
+    # that starts later than that would be turned away by the fence anyway.
+    expires = max(1.0, s.lease_seconds - s.publish_timeout_seconds)
+    soft_limit, hard_limit = rt.time_limits()
+    annotated = task_annotations(rt.app, DELIVER_BATCH if size > 1 else DELIVER)
+    sent = 0
+    try:
+        with rt.app.producer_or_acquire() as producer:
+            for chunk in chunks:
+                refs = [c.ref for c in chunk]
+                options: dict[str, Any] = {
+                    "queue": s.queue,
+                    "expires": expires,
+                    "producer": producer,
+                    "argsrepr": _argsrepr(refs),
+                    "serializer": "json",
+                }
+                if "time_limit" not in annotated:
+                    options["time_limit"] = hard_limit
+                if "soft_time_limit" not in annotated:
+                    options["soft_time_limit"] = soft_limit
+                if size == 1:
+                    deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
+                else:
+                    pairs = [[r.id, r.lease_version] for r in refs]
+                    deliver_batch.apply_async((pairs,), **options)
+                sent += 1
+    except Exception:
+        unsent = [c for chunk in chunks[sent:] for c in chunk]
+        log.exception("fan-out to the broker failed; releasing %d claimed rows", len(unsent))
+        _release(rt, unsent, "released unpublished: fan-out to the broker failed")
+        raise
+
+
+def _claim_and_fan_out(
+    app: Any, rt: RelayRuntime, claim: Any, deliver: Any, deliver_batch: Any
+) -> dict[str, int]:
+    s = rt.settings
+    table = s.outbox_table
+    db = rt.db()
+    lease = rt.lease()
+    max_attempts = rt.policy().max_attempts
+    ordered = s.ordered_event_types
+    owner = rt.owner
+    deadline = time.monotonic() + s.claim_interval_seconds
+    total = 0
+    more = False
+    while True:
+        in_flight = db.run(lambda conn: store.in_flight(conn, table=table))
+        room = min(s.batch_size, s.max_in_flight - in_flight)
+        if room <= 0:
+            # Backpressure: workers are behind. Continue after the work we
+            # already queued (below), or at the next beat tick.
+            more = total > 0
+            break
+
+        def take(conn: Any, room: int = room) -> list[Claimed]:
+            return store.claim(
+                conn,
+                owner=owner,
+                batch=room,
+                lease=lease,
+                max_attempts=max_attempts,
+                ordered=ordered,
+                table=table,
+            )
+
+        claimed = db.run(take)
+        if claimed:
+            _fan_out(rt, claimed, deliver, deliver_batch)
+        total += len(claimed)
+        if len(claimed) < room:
+            break  # drained: nothing more is due
+        if time.monotonic() >= deadline:
+            more = True
+            break
+    if more:
+        # Drain: queue the next claim behind the deliveries just sent, so it
+        # runs as they finish (self-pacing) instead of waiting for beat.
+        claim.apply_async(queue=s.queue, serializer="json")
+    return {"claimed": total}
