@@ -75,7 +75,7 @@ class Settings:
     backoff_cap_seconds: float = 300.0
     max_defer_seconds: float = 86_400.0
     max_in_flight: int = 10_000
-    publish_concurrency: int = 8
+    publish_concurrency: int = 32
     idempotency_key_prefix: str = "outbox-"
     max_payload_bytes: int = 1_000_000
     queue: str = "outbox"

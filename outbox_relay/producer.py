@@ -16,6 +16,7 @@ from functools import cache
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from .config import Settings
 from .errors import InvalidMessage, OperationKeyConflict
@@ -126,6 +127,13 @@ def enqueue_many(
         return []
     q = queries_for(outbox)
     ids: list[int] = []
+    if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        # The caller's transaction has not begun yet (psycopg begins it with
+        # the first statement). Begin it now: on an idle connection
+        # conn.transaction() below would open *and commit* a transaction of
+        # its own, and the message would then survive a rollback of the
+        # business change that follows (enqueue first, then INSERT the order).
+        conn.execute("SELECT 1")
     with conn.transaction(), conn.cursor() as cur:
         for p in params:
             is_ordered = (

@@ -171,11 +171,15 @@ class DeliveryReport:
     released: int = 0
     lost: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
+    # Event types of the messages this step finished (done or dead): an
+    # ordered aggregate's next message may have become claimable.
+    finished_event_types: set[str] = field(default_factory=set)
 
     def add(self, other: DeliveryReport) -> None:
         for name in ("done", "retried", "dead", "stale", "released", "lost"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.outcomes.extend(other.outcomes)
+        self.finished_event_types |= other.finished_event_types
 
 
 class LeaseKeeper:
@@ -368,6 +372,7 @@ class Relay:
             report.outcomes.append(outcome)
             if outcome.status == "done":
                 report.done += 1
+                report.finished_event_types.add(row.claimed.event_type)
             elif outcome.status == "dead":
                 report.dead += 1
             else:

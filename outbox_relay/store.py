@@ -146,8 +146,15 @@ def claim(
         "max_attempts": max_attempts,
         "now": now,
     }
-    if ordered is True or (ordered is not False and list(ordered)):
-        types = [] if ordered is True else sorted(set(ordered))
+    # Read ``ordered`` once: a one-shot iterable (a generator) would be empty
+    # on a second pass and silently turn the claim unordered. A lone string
+    # is one event type, not an iterable of one-letter types.
+    types = (
+        []
+        if isinstance(ordered, bool)
+        else sorted({ordered} if isinstance(ordered, str) else set(ordered))
+    )
+    if ordered is True or types:
         query = q.claim_ordered
         params["all_ordered"] = ordered is True
         params["ordered_types"] = types

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import store
 from ..message import Claimed, LeaseRef
+from ..relay import DeliveryReport
 from ..store import Outcome
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def register_tasks(app: Any, rt: RelayRuntime) -> dict[str, Any]:
     def deliver(self: Any, outbox_id: int, lease_version: int) -> dict[str, int]:
         """Deliver one leased message (the default, one task per message)."""
         report = rt.relay().deliver(rt.db(), [LeaseRef(int(outbox_id), int(lease_version))])
+        _follow_ordered(rt, report, claim)
         return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
     @app.task(name=DELIVER_BATCH, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
@@ -56,6 +58,7 @@ def register_tasks(app: Any, rt: RelayRuntime) -> dict[str, Any]:
         """Deliver a chunk: one load, concurrent publishes, one batched finalize."""
         leases = [LeaseRef(int(i), int(v)) for i, v in refs]
         report = rt.relay().deliver(rt.db(), leases)
+        _follow_ordered(rt, report, claim)
         return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
     @app.task(name=CLAIM, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
@@ -76,6 +79,19 @@ def task_annotations(app: Any, name: str) -> dict[str, Any]:
             if isinstance(value, dict):
                 found.update(value)
     return found
+
+
+def _follow_ordered(rt: RelayRuntime, report: DeliveryReport, claim: Any) -> None:
+    """After an ordered message is done, claim at once: its successor is now due.
+
+    Without this, an aggregate would advance one message per beat tick.
+    """
+    ordered = rt.settings.ordered_event_types
+    if ordered and report.finished_event_types.intersection(ordered):
+        try:
+            claim.apply_async(queue=rt.settings.queue, serializer="json")
+        except Exception:  # the beat tick is the safety net
+            log.warning("could not send a follow-up claim", exc_info=True)
 
 
 def _release(rt: RelayRuntime, claimed: Sequence[Claimed], reason: str) -> None:

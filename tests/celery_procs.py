@@ -1,0 +1,160 @@
+"""Start real ``celery worker`` and ``celery beat`` processes for a test.
+
+Each process runs in its own session (process group) so a test can SIGKILL a
+worker together with its pool children, as an OOM killer or a node loss
+would. Logs go to files under the test's tmp_path; a test reads them to
+check what the relay said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+CELERY = [sys.executable, "-m", "celery"]
+
+
+class Proc:
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.name = name
+        self.popen = popen
+        self.log = log
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if " ready." in self.text():
+                return
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited early:\n{self.text()[-4000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name} not ready after {timeout}s:\n{self.text()[-4000:]}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (the worker and its pool children)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if not self.alive():
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.popen.wait(10)
+
+
+class CeleryProcs:
+    """Starts workers and beats with one environment; stops them all at the end."""
+
+    def __init__(self, env: Mapping[str, str], folder: Path, app: str = "outbox_relay.app"):
+        self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        self.folder = folder
+        self.app = app
+        self.procs: list[Proc] = []
+        self._n = 0
+
+    def _start(self, name: str, args: list[str], env: Mapping[str, str] | None) -> Proc:
+        self._n += 1
+        log = self.folder / f"{self._n:02d}-{name}.log"
+        handle = log.open("wb")
+        popen = subprocess.Popen(
+            [*CELERY, "-A", self.app, *args],
+            cwd=str(self.folder),
+            env={**self.env, **(env or {})},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        handle.close()
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def worker(
+        self,
+        *,
+        concurrency: int = 2,
+        pool: str = "prefork",
+        env: Mapping[str, str] | None = None,
+        args: tuple[str, ...] = (),
+        ready: bool = True,
+    ) -> Proc:
+        name = f"w{self._n + 1}"
+        proc = self._start(
+            name,
+            [
+                "worker",
+                "-n",
+                f"{name}@%h",
+                "-P",
+                pool,
+                "-c",
+                str(concurrency),
+                "-l",
+                "info",
+                "-E",
+                "--without-gossip",
+                "--without-mingle",
+                *args,
+            ],
+            env,
+        )
+        if ready:
+            proc.wait_ready()
+        return proc
+
+    def beat(self, *, env: Mapping[str, str] | None = None) -> Proc:
+        n = self._n + 1
+        return self._start(
+            f"beat{n}",
+            ["beat", "-l", "info", "-s", str(self.folder / f"beat-{n}-schedule")],
+            env,
+        )
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {p.name}\n{p.text()[-6000:]}" for p in self.procs)
+
+
+def wait_for(
+    check: Callable[[], Any], *, timeout: float, interval: float = 0.2, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def counts(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT status, count(*) FROM outbox GROUP BY status").fetchall()
+    return {status: n for status, n in rows}

@@ -1,0 +1,382 @@
+"""The Celery relay end to end: real worker and beat processes, real brokers.
+
+Every test enqueues messages in business transactions, runs real
+``celery -A outbox_relay.app worker``/``beat`` processes, and reads what the
+publisher really did from the ``published`` table (tests/apps/recording.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+
+import outbox_relay
+from outbox_relay import NewMessage
+
+from . import services
+from .apps.recording import DDL
+from .celery_procs import CeleryProcs, counts, wait_for
+
+pytestmark = pytest.mark.celery
+
+
+def redis_client(url: str) -> redis.Redis:
+    if url.startswith("redis+socket://"):
+        return redis.Redis(unix_socket_path=url[len("redis+socket://") :])
+    return redis.Redis.from_url(url)
+
+
+@pytest.fixture
+def redis_broker() -> Iterator[str]:
+    url = services.redis_url()
+    client = redis_client(url)
+    client.flushdb()  # a clean queue; tests run one at a time
+    yield url
+    client.flushdb()
+
+
+@pytest.fixture
+def amqp_broker() -> Iterator[str]:
+    url = services.amqp_url()
+    if url is None:
+        pytest.skip("RabbitMQ not configured: set OUTBOX_TEST_AMQP_URL to run the AMQP tests")
+    from kombu import Connection
+
+    with Connection(url, connect_timeout=5) as conn:
+        try:
+            conn.ensure_connection(max_retries=1)
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            pytest.skip(f"RabbitMQ at {url} unreachable: {exc}")
+        channel = conn.channel()
+        # Start from an empty queue: tasks from an earlier run are not ours.
+        with contextlib.suppress(Exception):
+            channel.queue_purge("outbox")
+    yield url
+
+
+@pytest.fixture
+def recorded_dsn(dsn: str) -> str:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(DDL)
+    return dsn
+
+
+def make_procs(dsn: str, broker: str, tmp_path: Path, **settings: Any) -> CeleryProcs:
+    env = {
+        "OUTBOX_DSN": dsn,
+        "RECORDING_DSN": dsn,
+        "CELERY_BROKER_URL": broker,
+        "OUTBOX_PUBLISHER": "tests.apps.recording:publish",
+        "OUTBOX_LEASE_SECONDS": "20",
+        "OUTBOX_PUBLISH_TIMEOUT_SECONDS": "5",
+        "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
+        "OUTBOX_BACKOFF_BASE_SECONDS": "0.05",
+        "OUTBOX_BACKOFF_CAP_SECONDS": "0.5",
+    }
+    env.update({f"OUTBOX_{k.upper()}": str(v) for k, v in settings.items()})
+    return CeleryProcs(env, tmp_path)
+
+
+@pytest.fixture
+def procs_factory(tmp_path: Path) -> Iterator[Any]:
+    made: list[CeleryProcs] = []
+
+    def factory(dsn: str, broker: str, **settings: Any) -> CeleryProcs:
+        procs = make_procs(dsn, broker, tmp_path, **settings)
+        made.append(procs)
+        return procs
+
+    yield factory
+    for procs in made:
+        procs.stop_all()
+
+
+def enqueue_orders(dsn: str, n: int, *, threads: int = 4, payload: Any = None) -> list[int]:
+    """Business transactions: each writes an order row and its outbox event together."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS orders (id bigint PRIMARY KEY, total int)")
+    ids: list[int] = []
+    lock = threading.Lock()
+
+    def produce(start: int) -> None:
+        with psycopg.connect(dsn) as conn:
+            for i in range(start, n, threads):
+                with conn.transaction():
+                    conn.execute("INSERT INTO orders VALUES (%s, %s)", (i, i * 10))
+                    message_id = outbox_relay.enqueue(
+                        conn,
+                        aggregate_type="order",
+                        aggregate_id=i,
+                        event_type="order.created",
+                        payload=payload if payload is not None else {"order": i},
+                    )
+                with lock:
+                    ids.append(message_id)
+
+    workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return sorted(ids)
+
+
+def published(dsn: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT message_id, idempotency_key, lease_version, aggregate_id, seq"
+            " FROM published ORDER BY seq"
+        ).fetchall()
+
+
+def all_done(dsn: str, n: int) -> Any:
+    c = counts(dsn)
+    return c if c.get("done", 0) + c.get("dead", 0) == n and not c.get("pending") else None
+
+
+# --------------------------------------------------------------------------- scenarios
+def test_thousands_delivered_with_two_workers_and_beat(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker)
+    procs.worker(concurrency=2)
+    procs.worker(concurrency=2)
+    procs.beat()
+    ids = enqueue_orders(recorded_dsn, 3000)
+    wait_for(lambda: all_done(recorded_dsn, 3000), timeout=120, what="3000 messages done")
+    assert counts(recorded_dsn) == {"done": 3000}
+    rows = published(recorded_dsn)
+    seen = {r[0] for r in rows}
+    assert seen == set(ids)
+    # Each message's stable idempotency key reached the publisher.
+    keys = {r[0]: r[1] for r in rows}
+    assert all(keys[i] == f"outbox-{i}" for i in ids)
+    # No lease expired in this run, so the fence leaves no room for duplicates.
+    assert len(rows) == len(seen), procs.logs()
+
+
+def test_chunked_mode_over_rabbitmq(recorded_dsn, amqp_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, amqp_broker, chunk_size=50, batch_size=200)
+    procs.worker(concurrency=2)
+    procs.beat()
+    ids = enqueue_orders(recorded_dsn, 2000)
+    wait_for(lambda: all_done(recorded_dsn, 2000), timeout=120, what="2000 messages done")
+    assert counts(recorded_dsn) == {"done": 2000}
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+    assert "outbox_relay.deliver_batch" in procs.procs[0].text()
+
+
+def test_worker_sigkilled_mid_publish_loses_nothing(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=6, publish_timeout_seconds=3)
+    victim = procs.worker(concurrency=2)
+    procs.beat()
+    ids = enqueue_orders(recorded_dsn, 40, payload={"sleep": 0.5})
+
+    def some_but_not_all_published() -> bool:
+        return 0 < len(published(recorded_dsn)) < 30
+
+    wait_for(some_but_not_all_published, timeout=60, what="publishing under way")
+    victim.kill(signal.SIGKILL)  # the worker and its pool children, mid-publish
+    victim.popen.wait(10)
+    stuck = counts(recorded_dsn)
+    assert stuck.get("processing", 0) > 0, stuck  # leases held by the dead worker
+    procs.worker(concurrency=2)
+    wait_for(lambda: all_done(recorded_dsn, 40), timeout=90, what="all delivered after kill")
+    assert counts(recorded_dsn) == {"done": 40}
+    rows = published(recorded_dsn)
+    assert {r[0] for r in rows} == set(ids)
+    # A duplicate is explainable: the same message published under two lease
+    # versions (the killed worker's publish landed, its finalize never ran).
+    by_id: dict[int, list[int]] = {}
+    for message_id, _key, version, _agg, _seq in rows:
+        by_id.setdefault(message_id, []).append(version)
+    for versions in by_id.values():
+        assert len(versions) == len(set(versions))
+
+
+def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=4, publish_timeout_seconds=2)
+    procs.worker(concurrency=1)
+    ids = enqueue_orders(recorded_dsn, 60, payload={"sleep": 0.1})
+    # Beat is not running yet: the NOTIFY-triggered claim fans out all 60
+    # tasks, and one slow worker leaves most of them waiting in Redis.
+    wait_for(lambda: counts(recorded_dsn).get("processing", 0) >= 40, timeout=30, what="claimed")
+    client = redis_client(redis_broker)
+    assert client.llen("outbox") > 0  # tasks waiting in the broker
+    client.flushdb()  # the broker loses every queued task (same as FLUSHALL for this db)
+    assert client.llen("outbox") == 0
+    procs.beat()
+    wait_for(lambda: all_done(recorded_dsn, 60), timeout=90, what="all delivered after flush")
+    assert counts(recorded_dsn) == {"done": 60}
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+
+
+def test_stale_task_does_not_publish(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, listen="false")
+    worker = procs.worker(concurrency=1)
+    with psycopg.connect(recorded_dsn, autocommit=True) as conn:
+        [message_id] = outbox_relay.enqueue_many(
+            conn, [NewMessage("order", "1", "order.created", {"n": 1})]
+        )
+        from datetime import timedelta
+
+        [first] = outbox_relay.claim(conn, owner="a", batch=1, lease=timedelta(seconds=30))
+        # The lease "expires" and another relay takes the row over.
+        conn.execute("UPDATE outbox SET lease_until = now() - interval '1 second'")
+        [second] = outbox_relay.claim(conn, owner="b", batch=1, lease=timedelta(seconds=30))
+    assert second.lease_version == first.lease_version + 1
+    app = _client_app(redis_broker)
+    app.send_task("outbox_relay.deliver", args=(message_id, first.lease_version), queue="outbox")
+    wait_for(
+        lambda: "outbox_relay.deliver" in worker.text() and "succeeded" in worker.text(),
+        timeout=30,
+        what="stale task ran",
+    )
+    assert published(recorded_dsn) == []
+    row = _row(recorded_dsn, message_id)
+    assert row["status"] == "processing" and row["lease_version"] == second.lease_version
+    assert "lease no longer ours" in worker.text()
+
+
+def test_stale_publish_finalize_is_fenced_and_logged(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, listen="false", lease_seconds=20)
+    worker = procs.worker(concurrency=1)
+    with psycopg.connect(recorded_dsn, autocommit=True) as conn:
+        [message_id] = outbox_relay.enqueue_many(
+            conn, [NewMessage("order", "1", "order.created", {"sleep": 3})]
+        )
+    app = _client_app(redis_broker)
+    app.send_task("outbox_relay.claim", queue="outbox")
+    wait_for(lambda: "outbox_relay.deliver[" in worker.text(), timeout=30, what="delivery start")
+    time.sleep(0.5)  # the publish is now sleeping inside the worker
+    with psycopg.connect(recorded_dsn, autocommit=True) as conn:
+        from datetime import timedelta
+
+        conn.execute("UPDATE outbox SET lease_until = now() - interval '1 second'")
+        [taken] = outbox_relay.claim(conn, owner="other", batch=1, lease=timedelta(seconds=60))
+    wait_for(lambda: "lost lease on outbox message" in worker.text(), timeout=30, what="log")
+    # The stale publish went out (that is the duplicate the receiver absorbs),
+    # but its finalize changed nothing: the row is still held by the new lease.
+    assert [r[0] for r in published(recorded_dsn)] == [message_id]
+    row = _row(recorded_dsn, message_id)
+    assert row["status"] == "processing" and row["lease_version"] == taken.lease_version
+
+
+def test_ordered_event_types_publish_in_id_order(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, ordered_event_types="order.step")
+    procs.worker(concurrency=2)
+    procs.worker(concurrency=2)
+    procs.beat()
+    with psycopg.connect(recorded_dsn) as conn:
+        for i in range(40):
+            with conn.transaction():
+                outbox_relay.enqueue_many(
+                    conn,
+                    [NewMessage("order", f"agg-{a}", "order.step", {"i": i}) for a in range(5)],
+                )
+    wait_for(lambda: all_done(recorded_dsn, 200), timeout=120, what="ordered messages done")
+    rows = published(recorded_dsn)
+    assert len(rows) == 200
+    per_aggregate: dict[str, list[int]] = {}
+    for message_id, _key, _v, aggregate_id, _seq in rows:
+        per_aggregate.setdefault(aggregate_id, []).append(message_id)
+    for aggregate_id, sequence in per_aggregate.items():
+        assert sequence == sorted(sequence), aggregate_id
+
+
+def test_two_beats_cause_no_double_delivery(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds="0.3", listen="false")
+    procs.worker(concurrency=2)
+    procs.beat()
+    procs.beat()
+    ids = enqueue_orders(recorded_dsn, 1000)
+    wait_for(lambda: all_done(recorded_dsn, 1000), timeout=120, what="done with two beats")
+    rows = published(recorded_dsn)
+    assert sorted(r[0] for r in rows) == ids  # each exactly once
+    beats = [p for p in procs.procs if p.name.startswith("beat")]
+    assert all("Sending due task outbox-relay-claim" in b.text() for b in beats)
+
+
+def test_transient_failures_retry_in_the_database(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, max_attempts=4)
+    worker = procs.worker(concurrency=2)
+    procs.beat()
+    with psycopg.connect(recorded_dsn) as conn, conn.transaction():
+        flaky = outbox_relay.enqueue(
+            conn, aggregate_type="o", aggregate_id="1", event_type="e", payload={"fail_times": 2}
+        )
+        broken = outbox_relay.enqueue(
+            conn,
+            aggregate_type="o",
+            aggregate_id="2",
+            event_type="e",
+            payload={"fail": "retryable"},
+        )
+        rejected = outbox_relay.enqueue(
+            conn,
+            aggregate_type="o",
+            aggregate_id="3",
+            event_type="e",
+            payload={"fail": "permanent"},
+        )
+    wait_for(lambda: all_done(recorded_dsn, 3), timeout=60, what="all finished")
+    flaky_row, broken_row, rejected_row = (_row(recorded_dsn, i) for i in (flaky, broken, rejected))
+    assert flaky_row["status"] == "done" and flaky_row["attempts"] == 3
+    assert broken_row["status"] == "dead" and broken_row["attempts"] == 4
+    assert "retries exhausted" in broken_row["last_error"]
+    assert rejected_row["status"] == "dead" and rejected_row["attempts"] == 1
+    assert "permanent" in rejected_row["last_error"]
+    assert [r[0] for r in published(recorded_dsn)] == [flaky]
+    # Retries never went through the broker: no task was retried or scheduled
+    # with an ETA; every delivery task simply succeeded.
+    log = worker.text()
+    assert not re.search(r"Task outbox_relay\.\w+\[[^\]]+\] retry", log)
+    assert "ETA:[" not in log  # the worker logs "ETA:[...]" for a task held until later
+
+
+def test_notify_wakes_an_idle_relay_without_beat(recorded_dsn, redis_broker, procs_factory):
+    # No beat at all: only the NOTIFY listener can trigger this claim.
+    procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds=60)
+    worker = procs.worker(concurrency=1)
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    time.sleep(1.0)  # idle
+    started = time.monotonic()
+    enqueue_orders(recorded_dsn, 1, threads=1)
+    wait_for(lambda: published(recorded_dsn), timeout=6, interval=0.02, what="publish via NOTIFY")
+    elapsed = time.monotonic() - started
+    # Well before a 60 s polling interval would have noticed it.
+    assert elapsed < 6.0
+
+
+def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_factory):
+    procs = procs_factory(recorded_dsn, redis_broker, publish_timeout_seconds=30, lease_seconds=20)
+    worker = procs.worker(ready=False)
+    worker.popen.wait(60)
+    assert worker.popen.returncode != 0
+    assert "OUTBOX_PUBLISH_TIMEOUT_SECONDS (30) must be less than OUTBOX_LEASE_SECONDS" in (
+        worker.text()
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+def _client_app(broker: str) -> Any:
+    from celery import Celery
+
+    app = Celery("test-client", broker=broker)
+    app.conf.task_serializer = "json"
+    return app
+
+
+def _row(dsn: str, message_id: int) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = outbox_relay.store.get_row(conn, message_id)
+    assert row is not None
+    return row
