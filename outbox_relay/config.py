@@ -61,7 +61,7 @@ def _as_names(name: str, value: Any) -> tuple[str, ...]:
 class Settings:
     """All relay settings. Build one with ``Settings.load(conf)`` or directly."""
 
-    dsn: str | None = None
+    dsn: str | None = field(default=None, repr=False)  # may hold a password
     table: str = "outbox"
     publisher: Any = None  # "module:callable", a URL, a callable, or a routing mapping
     lease_seconds: float = 60.0
@@ -74,7 +74,10 @@ class Settings:
     backoff_base_seconds: float = 1.0
     backoff_cap_seconds: float = 300.0
     max_defer_seconds: float = 86_400.0
-    max_in_flight: int = 10_000
+    # Leased-but-unfinished rows at most. Fan-out tasks expire before their
+    # lease ends, so this many must drain within OUTBOX_LEASE_SECONDS -
+    # OUTBOX_PUBLISH_TIMEOUT_SECONDS; keep it a few batches deep.
+    max_in_flight: int = 1_000
     publish_concurrency: int = 32
     idempotency_key_prefix: str = "outbox-"
     max_payload_bytes: int = 1_000_000
@@ -113,6 +116,9 @@ class Settings:
             else:
                 continue
             values[f.name] = _coerce(f.name, f.type, raw)
+        options = _publisher_options(conf, environ)
+        options.update(values.get("publisher_options", {}))
+        values["publisher_options"] = options
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"unknown outbox setting(s): {', '.join(sorted(unknown))}")
@@ -164,6 +170,29 @@ class Settings:
                 "(setting outbox_dsn or environment variable OUTBOX_DSN)"
             )
         return self.dsn
+
+
+# Settings with these prefixes belong to a publisher (docs/publishers.md):
+# OUTBOX_WEBHOOK_SECRET reaches the webhook publisher as webhook_secret.
+_PUBLISHER_OPTION_PREFIXES = ("webhook_", "broker_", "celery_")
+
+
+def _publisher_options(conf: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in environ.items():
+        name = key[len("OUTBOX_") :].lower() if key.startswith("OUTBOX_") else ""
+        if name.startswith(_PUBLISHER_OPTION_PREFIXES):
+            found[name] = value
+    try:
+        keys = list(conf.keys())
+    except Exception:  # a conf object without keys(): only the environment counts
+        keys = []
+    for key in keys:
+        if isinstance(key, str) and key.startswith("outbox_"):
+            name = key[len("outbox_") :]
+            if name.startswith(_PUBLISHER_OPTION_PREFIXES) and conf.get(key) is not None:
+                found[name] = conf.get(key)
+    return found
 
 
 def _conf_get(conf: Mapping[str, Any], key: str) -> Any:

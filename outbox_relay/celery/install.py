@@ -13,12 +13,15 @@ from typing import Any
 
 from celery import signals
 
+from ..metrics import MetricsObserver
 from .runtime import RelayRuntime
-from .tasks import CLAIM, register_tasks
+from .tasks import CLAIM, PURGE, register_tasks
 
 __all__ = ["install"]
 
 BEAT_ENTRY = "outbox-relay-claim"
+PURGE_ENTRY = "outbox-relay-purge"
+PURGE_EVERY_SECONDS = 3600.0
 
 
 def install(
@@ -44,6 +47,9 @@ def install(
     rt = RelayRuntime(app, settings, task_options)
     app.outbox_relay = rt
     register_tasks(app, rt)
+    # Counters and histograms for Prometheus (see outbox_relay.metrics for
+    # PROMETHEUS_MULTIPROC_DIR under the prefork pool).
+    rt.observers.append(MetricsObserver())
 
     if beat:
 
@@ -58,6 +64,14 @@ def install(
                     # A tick nobody picked up within one interval is replaced
                     # by the next one; don't let them pile up in the broker.
                     "options": {"queue": s.queue, "expires": s.claim_interval_seconds},
+                },
+            )
+            schedule.setdefault(
+                PURGE_ENTRY,
+                {
+                    "task": PURGE,
+                    "schedule": PURGE_EVERY_SECONDS,
+                    "options": {"queue": s.queue, "expires": PURGE_EVERY_SECONDS},
                 },
             )
             app.conf.beat_schedule = schedule

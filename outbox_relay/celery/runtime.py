@@ -23,7 +23,7 @@ from psycopg_pool import ConnectionPool
 from ..config import Settings
 from ..errors import ConfigError, RetryableError
 from ..message import Claimed, LeaseRef, Message
-from ..publishers import resolve_publisher
+from ..publishers import publisher_timeout, resolve_publisher
 from ..queries import queries_for
 from ..relay import LeaseKeeper, Publisher, Relay, RelayObserver, RetryPolicy
 from ..store import Outcome
@@ -86,8 +86,6 @@ def _translate_celery_retry(publisher: Publisher) -> Publisher:
                 delay = float(when)
             raise RetryableError(f"publisher asked to retry: {exc}", retry_after=delay) from exc
 
-    # Keep attributes such as ``timeout_seconds`` visible for start-up checks.
-    publish.__dict__.update(getattr(publisher, "__dict__", {}))
     return publish
 
 
@@ -304,7 +302,10 @@ class RelayRuntime:
             publish_timeout_seconds=s.publish_timeout_seconds,
             **dict(s.publisher_options),
         )
-        return _translate_celery_retry(base)
+        wrapped = _translate_celery_retry(base)
+        # Kept for the start-up check that the publisher's own timeout fits.
+        wrapped.timeout_seconds = publisher_timeout(base)  # type: ignore[attr-defined]
+        return wrapped
 
     def relay(self) -> Relay:
         db = self.db()

@@ -14,12 +14,12 @@ Rules these tasks follow (each one is a way Celery loses or repeats work):
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .. import store
+from .. import operations, store
 from ..message import Claimed, LeaseRef
 from ..relay import DeliveryReport
 from ..store import Outcome
@@ -27,13 +27,14 @@ from ..store import Outcome
 if TYPE_CHECKING:
     from .runtime import RelayRuntime
 
-__all__ = ["CLAIM", "DELIVER", "DELIVER_BATCH", "register_tasks", "task_annotations"]
+__all__ = ["CLAIM", "DELIVER", "DELIVER_BATCH", "PURGE", "register_tasks", "task_annotations"]
 
 log = logging.getLogger("outbox_relay.celery")
 
 CLAIM = "outbox_relay.claim"
 DELIVER = "outbox_relay.deliver"
 DELIVER_BATCH = "outbox_relay.deliver_batch"
+PURGE = "outbox_relay.purge"
 
 
 def _argsrepr(refs: Sequence[LeaseRef]) -> str:
@@ -66,7 +67,22 @@ def register_tasks(app: Any, rt: RelayRuntime) -> dict[str, Any]:
         """Claim due rows and fan them out; keep draining while batches come back full."""
         return _claim_and_fan_out(app, rt, claim, deliver, deliver_batch)
 
-    return {"claim": claim, "deliver": deliver, "deliver_batch": deliver_batch}
+    @app.task(name=PURGE, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
+    def purge() -> dict[str, int]:
+        """Delete done rows older than OUTBOX_PURGE_AFTER_SECONDS, in bounded batches."""
+        s = rt.settings
+        result = rt.db().run(
+            lambda conn: operations.purge(
+                conn,
+                older_than=timedelta(seconds=s.purge_after_seconds),
+                batch_size=5000,
+                max_batches=100,
+                table=s.outbox_table,
+            )
+        )
+        return {"deleted": result.deleted, "batches": result.batches}
+
+    return {"claim": claim, "deliver": deliver, "deliver_batch": deliver_batch, "purge": purge}
 
 
 def task_annotations(app: Any, name: str) -> dict[str, Any]:
@@ -108,6 +124,17 @@ def _release(rt: RelayRuntime, claimed: Sequence[Claimed], reason: str) -> None:
         log.exception("could not release %d claimed rows; their leases will expire", len(claimed))
 
 
+def _batched(producer: Any) -> AbstractContextManager[Any]:
+    """Group the fan-out into one broker round trip where the transport can.
+
+    kombu >= 5.7 buffers Redis publishes in one pipeline inside
+    ``Producer.batch()`` and flushes at the end (AMQP publishes at once). If
+    the flush fails, the ``except`` in ``_fan_out`` releases the rows.
+    """
+    batch = getattr(producer, "batch", None)
+    return batch() if batch is not None else nullcontext()
+
+
 def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_batch: Any) -> None:
     s = rt.settings
     size = s.chunk_size
@@ -117,9 +144,8 @@ def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_bat
     expires = max(1.0, s.lease_seconds - s.publish_timeout_seconds)
     soft_limit, hard_limit = rt.time_limits()
     annotated = task_annotations(rt.app, DELIVER_BATCH if size > 1 else DELIVER)
-    sent = 0
     try:
-        with rt.app.producer_or_acquire() as producer:
+        with rt.app.producer_or_acquire() as producer, _batched(producer):
             for chunk in chunks:
                 refs = [c.ref for c in chunk]
                 options: dict[str, Any] = {
@@ -138,11 +164,12 @@ def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_bat
                 else:
                     pairs = [[r.id, r.lease_version] for r in refs]
                     deliver_batch.apply_async((pairs,), **options)
-                sent += 1
     except Exception:
-        unsent = [c for chunk in chunks[sent:] for c in chunk]
-        log.exception("fan-out to the broker failed; releasing %d claimed rows", len(unsent))
-        _release(rt, unsent, "released unpublished: fan-out to the broker failed")
+        # Some tasks may have reached the broker before the failure (a batch
+        # flushes as it fills). Release every row anyway: a task that did
+        # arrive finds a newer lease_version and is turned away by the fence.
+        log.exception("fan-out to the broker failed; releasing %d claimed rows", len(claimed))
+        _release(rt, claimed, "released unpublished: fan-out to the broker failed")
         raise
 
 
@@ -156,40 +183,32 @@ def _claim_and_fan_out(
     max_attempts = rt.policy().max_attempts
     ordered = s.ordered_event_types
     owner = rt.owner
-    deadline = time.monotonic() + s.claim_interval_seconds
-    total = 0
-    more = False
-    while True:
-        in_flight = db.run(lambda conn: store.in_flight(conn, table=table))
-        room = min(s.batch_size, s.max_in_flight - in_flight)
-        if room <= 0:
-            # Backpressure: workers are behind. Continue after the work we
-            # already queued (below), or at the next beat tick.
-            more = total > 0
-            break
+    in_flight = db.run(lambda conn: store.in_flight(conn, table=table))
+    room = min(s.batch_size, s.max_in_flight - in_flight)
+    if room <= 0:
+        # Backpressure: workers are behind. The claims queued behind their
+        # deliveries, or the next beat tick, continue the drain.
+        return {"claimed": 0}
 
-        def take(conn: Any, room: int = room) -> list[Claimed]:
-            return store.claim(
-                conn,
-                owner=owner,
-                batch=room,
-                lease=lease,
-                max_attempts=max_attempts,
-                ordered=ordered,
-                table=table,
-            )
+    def take(conn: Any) -> list[Claimed]:
+        return store.claim(
+            conn,
+            owner=owner,
+            batch=room,
+            lease=lease,
+            max_attempts=max_attempts,
+            ordered=ordered,
+            table=table,
+        )
 
-        claimed = db.run(take)
-        if claimed:
-            _fan_out(rt, claimed, deliver, deliver_batch)
-        total += len(claimed)
-        if len(claimed) < room:
-            break  # drained: nothing more is due
-        if time.monotonic() >= deadline:
-            more = True
-            break
-    if more:
-        # Drain: queue the next claim behind the deliveries just sent, so it
-        # runs as they finish (self-pacing) instead of waiting for beat.
+    claimed = db.run(take)
+    total = len(claimed)
+    if claimed:
+        _fan_out(rt, claimed, deliver, deliver_batch)
+    if total == room:
+        # A full batch: more is probably due. Queue the next claim behind the
+        # deliveries just sent, so the drain paces itself to the workers
+        # (and the broker never holds more than a few batches) instead of
+        # waiting for the next beat tick.
         claim.apply_async(queue=s.queue, serializer="json")
     return {"claimed": total}

@@ -4,7 +4,8 @@ Patterns are shell-style (``order.*``); the most specific match wins (exact
 names before patterns, longer patterns before shorter), and ``"*"`` or a
 ``default`` catches the rest. An event type with no route is a
 ``PermanentError`` at publish time, and ``Router.check`` lets start-up code
-fail early for the event types it knows.
+fail early for the event types it knows. ``timeout_seconds`` is the slowest
+route's, so the relay's lease check covers every route.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError, PermanentError
 from ..message import Message
-from .base import Publisher, resolve_publisher
+from .base import Publisher, publisher_timeout, resolve_publisher
 
 __all__ = ["Router"]
 
@@ -38,19 +39,56 @@ class Router:
 
     @classmethod
     def from_config(
-        cls, config: Mapping[str, Any], *, setting: str = "OUTBOX_PUBLISHER", **options: Any
+        cls,
+        config: Mapping[str, Any],
+        *,
+        setting: str = "OUTBOX_PUBLISHER",
+        default: Any = None,
+        **options: Any,
     ) -> Router:
+        """Routes from ``{pattern: spec}``; ``default`` (or the key ``"default"``)
+        is the publisher spec for event types no pattern matches."""
         routes: dict[str, Publisher] = {}
-        default: Publisher | None = None
+        fallback: Publisher | None = None
+        if default is not None:
+            if "default" in config:
+                raise ConfigError(
+                    f"{setting}: the default route is given twice (a 'default' key and default=)"
+                )
+            fallback = resolve_publisher(default, setting=f"{setting}[default]", **options)
         for pattern, spec in config.items():
             if not isinstance(pattern, str) or not pattern:
                 raise ConfigError(f"{setting}: route keys must be event-type patterns")
             publisher = resolve_publisher(spec, setting=f"{setting}[{pattern!r}]", **options)
             if pattern == "default":
-                default = publisher
+                fallback = publisher
             else:
                 routes[pattern] = publisher
-        return cls(routes, default)
+        return cls(routes, fallback)
+
+    @property
+    def publishers(self) -> list[Publisher]:
+        """Every distinct publisher this router can hand a message to."""
+        found: list[Publisher] = []
+        candidates = [*self._exact.values(), *(p for _, p in self._patterns)]
+        if self._default is not None:
+            candidates.append(self._default)
+        for publisher in candidates:
+            if not any(publisher is seen for seen in found):
+                found.append(publisher)
+        return found
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        """The slowest route's worst case, for the relay's lease check (None: unknown)."""
+        timeouts = [t for t in map(publisher_timeout, self.publishers) if t is not None]
+        return max(timeouts) if timeouts else None
+
+    def close(self) -> None:
+        for publisher in self.publishers:
+            close = getattr(publisher, "close", None)
+            if callable(close):
+                close()
 
     def _find(self, event_type: str) -> Publisher | None:
         if event_type in self._exact:

@@ -1,0 +1,395 @@
+"""Deliver messages to a message broker (RabbitMQ or Redis) with kombu.
+
+A publish counts only when the broker took the message:
+
+* on RabbitMQ the channel runs in publisher-confirm mode, so ``publish``
+  returns only after the broker's ``basic.ack`` (a ``basic.nack`` or no
+  answer within ``confirm_timeout`` raises), and messages are persistent
+  (``delivery_mode=2``) on a durable exchange;
+* ``mandatory`` makes RabbitMQ hand back a message that no queue is bound
+  for (``basic.return``), instead of dropping it silently. What happens then
+  is the ``unroutable`` policy: ``"retry"`` (default: a binding may appear,
+  e.g. the consumer is not deployed yet; the message ends ``dead`` with the
+  reason once attempts run out), ``"dead"`` (at once), or ``"drop"``
+  (publish without ``mandatory``: events nobody subscribes to are fine).
+  On Redis, kombu has no ``mandatory`` flag, so the bindings are looked up
+  before publishing to the same effect.
+* a missing exchange (``declare=False``), a closed channel, a refused
+  connection, a timeout: ``RetryableError``, never done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import kombu.common
+import kombu.connection
+import kombu.entity
+import kombu.exceptions
+import kombu.messaging
+from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
+from kombu.transport import virtual
+
+from ..errors import ConfigError, PermanentError, RetryableError
+from ..message import Message
+from ._options import as_bool, as_callable_or, as_mapping
+from ._process import PerProcess
+
+__all__ = ["BROKER_SCHEMES", "BrokerPublisher"]
+
+log = logging.getLogger("outbox_relay.publishers.broker")
+
+BROKER_SCHEMES = ("amqp", "amqps", "redis", "rediss", "redis+socket")
+_AMQP_SCHEMES = ("amqp", "amqps")
+# Idle connections kept per process; the relay publishes from at most
+# ``publish_concurrency`` threads, so more than that are never reused.
+_MAX_IDLE = 16
+# AMQP short strings (routing keys, exchange names) are at most 255 bytes.
+_MAX_SHORTSTR = 255
+
+# kombu's annotations are partial; its objects are handled as Any here
+# rather than sprinkling ignores over every call.
+_Connection: Any = kombu.connection.Connection
+_Exchange: Any = kombu.entity.Exchange
+_Producer: Any = kombu.messaging.Producer
+_maybe_declare: Any = kombu.common.maybe_declare
+
+RoutingKey = Literal["event_type", "aggregate"] | Callable[[Message], str]
+Unroutable = Literal["retry", "dead", "drop"]
+
+
+@dataclass
+class _Link:
+    """One connection, its channel and producer; used by one thread at a time."""
+
+    connection: Any  # kombu.Connection
+    producer: Any  # kombu.Producer
+    returned: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        try:
+            self.connection.release()
+        except Exception:  # the connection is already broken; nothing to save
+            log.debug("error while closing a broker connection", exc_info=True)
+
+
+class _Links:
+    """A small per-process pool of links: kombu channels are not thread-safe."""
+
+    def __init__(self) -> None:
+        self._idle: list[_Link] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> _Link | None:
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def give_back(self, link: _Link) -> None:
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(link)
+                return
+        link.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for link in idle:
+            link.close()
+
+
+def _redact(url: str) -> str:
+    """The URL with its password masked and no query (which may carry credentials)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    if parts.username or parts.password:
+        user = parts.username or ""
+        netloc = f"{user}:**@{netloc}" if parts.password else f"{user}@{netloc}"
+    return f"{parts.scheme}://{netloc}{parts.path}"
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+class BrokerPublisher:
+    """Publish each message's payload as JSON to an exchange.
+
+    The idempotency key is the AMQP ``message_id``; ``outbox-*`` headers
+    carry the row id, event type and aggregate. ``timeout_seconds`` (connect +
+    write + confirm) is the worst case of one publish.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        exchange: str = "outbox",
+        exchange_type: str = "topic",
+        routing_key: RoutingKey = "event_type",
+        declare: bool = True,
+        durable: bool = True,
+        unroutable: Unroutable = "retry",
+        connect_timeout: float = 2.0,
+        write_timeout: float | None = None,
+        confirm_timeout: float = 6.0,
+        transport_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        scheme = _scheme(url)
+        if scheme not in BROKER_SCHEMES:
+            raise ConfigError(
+                f"broker URL must start with one of {', '.join(s + '://' for s in BROKER_SCHEMES)}"
+            )
+        if routing_key not in ("event_type", "aggregate") and not callable(routing_key):
+            raise ConfigError(
+                f"broker routing_key must be 'event_type', 'aggregate' or a callable, "
+                f"not {routing_key!r}"
+            )
+        if unroutable not in ("retry", "dead", "drop"):
+            raise ConfigError(f"broker unroutable must be retry, dead or drop, not {unroutable!r}")
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("confirm_timeout", confirm_timeout),
+        ):
+            if not value > 0:
+                raise ConfigError(f"broker {name} must be greater than 0, got {value!r}")
+        if len(exchange.encode()) > _MAX_SHORTSTR:
+            raise ConfigError("broker exchange name is longer than 255 bytes")
+        self.url = url
+        self.is_amqp = scheme in _AMQP_SCHEMES
+        self.exchange = _Exchange(exchange, type=exchange_type, durable=durable, delivery_mode=2)
+        self.routing_key = routing_key
+        self.declare = declare and bool(exchange)  # the default exchange "" always exists
+        self.unroutable: Unroutable = unroutable
+        self.connect_timeout = float(connect_timeout)
+        self.write_timeout = float(write_timeout if write_timeout is not None else connect_timeout)
+        self.confirm_timeout = float(confirm_timeout)
+        self._transport_options = dict(transport_options or {})
+        template = _Connection(url)  # never connected: error classes only
+        self._where = _redact(url)
+        # The transport's own error classes (py-amqp's, redis-py's ...).
+        self._errors: tuple[type[BaseException], ...] = tuple(
+            template.connection_errors + template.channel_errors
+        )
+        self._links = PerProcess(_Links)
+
+    @property
+    def timeout_seconds(self) -> float:
+        """The longest one publish can take (connect + write + confirm)."""
+        return self.connect_timeout + self.write_timeout + self.confirm_timeout
+
+    def __repr__(self) -> str:
+        return (
+            f"BrokerPublisher({self._where!r}, exchange={self.exchange.name!r}, "
+            f"unroutable={self.unroutable!r}, timeout_seconds={self.timeout_seconds:g})"
+        )
+
+    @classmethod
+    def from_options(
+        cls, url: str, options: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+    ) -> BrokerPublisher:
+        """Build from the relay's option bag; timeouts fit in ``publish_timeout_seconds``."""
+        kwargs: dict[str, Any] = {}
+        budget = options.get("publish_timeout_seconds")
+        if budget is not None:
+            budget = float(budget)
+            connect = min(5.0, budget / 5.0)
+            kwargs.update(
+                connect_timeout=connect,
+                write_timeout=connect,
+                confirm_timeout=budget - 2 * connect,
+            )
+        names = {
+            "broker_exchange": "exchange",
+            "broker_exchange_type": "exchange_type",
+            "broker_routing_key": "routing_key",
+            "broker_declare": "declare",
+            "broker_unroutable": "unroutable",
+            "broker_connect_timeout": "connect_timeout",
+            "broker_confirm_timeout": "confirm_timeout",
+            "broker_transport_options": "transport_options",
+        }
+        for option, kwarg in names.items():
+            if options.get(option) is not None:
+                kwargs[kwarg] = options[option]
+        kwargs.update(overrides or {})
+        if "declare" in kwargs:
+            kwargs["declare"] = as_bool("broker_declare", kwargs["declare"])
+            if not isinstance(kwargs["declare"], bool):
+                raise ConfigError("broker_declare must be true or false")
+        if "routing_key" in kwargs:
+            kwargs["routing_key"] = as_callable_or(
+                "broker_routing_key", kwargs["routing_key"], ("event_type", "aggregate")
+            )
+        if kwargs.get("transport_options") is not None:
+            kwargs["transport_options"] = as_mapping(
+                "broker_transport_options", kwargs["transport_options"]
+            )
+        publisher = cls(url, **kwargs)
+        if budget is not None and publisher.timeout_seconds > budget + 1e-9:
+            raise ConfigError(
+                f"broker timeouts add up to {publisher.timeout_seconds:g}s (connect "
+                f"{publisher.connect_timeout:g} + write {publisher.write_timeout:g} + confirm "
+                f"{publisher.confirm_timeout:g}), more than OUTBOX_PUBLISH_TIMEOUT_SECONDS "
+                f"({budget:g})"
+            )
+        return publisher
+
+    # ------------------------------------------------------------ connection
+    def _connect(self) -> _Link:
+        options: dict[str, Any] = dict(self._transport_options)
+        if self.is_amqp:
+            # confirm_publish: basic_publish waits for the broker's ack.
+            options.update(
+                confirm_publish=True,
+                read_timeout=self.confirm_timeout,
+                write_timeout=self.write_timeout,
+            )
+        else:
+            options.setdefault("socket_connect_timeout", self.connect_timeout)
+            options.setdefault("socket_timeout", self.confirm_timeout)
+        connection = _Connection(
+            self.url,
+            connect_timeout=self.connect_timeout,
+            transport_options=options,
+            # No heartbeats: nothing here would service them between publishes,
+            # and the broker would then close an idle connection.
+            heartbeat=0,
+        )
+        returned: list[str] = []
+
+        def on_return(exc: Exception, exchange: str, routing_key: str, message: Any) -> None:
+            returned.append(str(exc))
+
+        try:
+            # One attempt only: the relay's backoff is the retry loop; kombu's
+            # own would sleep for seconds inside our publish timeout.
+            connection.ensure_connection(max_retries=0, reraise_as_library_errors=False)
+            channel = connection.channel()
+            if self.exchange.name and (self.declare or not self.is_amqp):
+                # Declared before the first publish (not lazily by it) so the
+                # routing check below knows the type. On Redis an exchange is
+                # only client-side state, so it is always "declared" there.
+                _maybe_declare(self.exchange(channel), channel)
+            producer = _Producer(
+                channel,
+                exchange=self.exchange,
+                auto_declare=self.declare,
+                # Only py-amqp channels deliver basic.return (virtual ones have no events).
+                on_return=on_return if self.is_amqp else None,
+            )
+        except BaseException:
+            connection.release()
+            raise
+        return _Link(connection, producer, returned)
+
+    def close(self) -> None:
+        """Close this process's idle connections."""
+        links = self._links.peek()
+        if links is not None:
+            links.close()
+
+    # ------------------------------------------------------------ publishing
+    def routing_key_for(self, message: Message) -> str:
+        if self.routing_key == "event_type":
+            key = message.event_type
+        elif self.routing_key == "aggregate":
+            key = f"{message.aggregate_type}.{message.aggregate_id}"
+        else:
+            key = self.routing_key(message)
+        if not isinstance(key, str) or len(key.encode()) > _MAX_SHORTSTR:
+            raise PermanentError(
+                f"routing key for outbox message {message.id} must be a string of at most "
+                f"{_MAX_SHORTSTR} bytes"
+            )
+        return key
+
+    def _unroutable(self, routing_key: str, reason: str) -> None:
+        text = (
+            f"broker {self._where}: unroutable: no queue bound to exchange "
+            f"{self.exchange.name!r} for routing key {routing_key!r} ({reason})"
+        )
+        if self.unroutable == "dead":
+            raise PermanentError(text)
+        raise RetryableError(text)
+
+    def _has_route(self, link: _Link, routing_key: str) -> bool:
+        # Virtual transports (Redis) route in the client: ask the same lookup
+        # kombu would use, which otherwise sends unroutable messages to its
+        # catch-all "ae.undeliver" list with only a warning.
+        if not isinstance(link.producer.channel, virtual.Channel) or not self.exchange.name:
+            return True
+        channel: Any = link.producer.channel
+        table = channel.get_table(self.exchange.name)
+        found = channel.typeof(self.exchange.name).lookup(
+            table, self.exchange.name, routing_key, None
+        )
+        return bool(found)
+
+    def __call__(self, message: Message) -> None:
+        routing_key = self.routing_key_for(message)
+        body = json.dumps(
+            message.payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
+        headers: dict[str, Any] = dict(message.headers or {})
+        headers.update(
+            {
+                "idempotency-key": message.idempotency_key,
+                "outbox-id": message.id,
+                "outbox-event-type": message.event_type,
+                "outbox-aggregate-type": message.aggregate_type,
+                "outbox-aggregate-id": message.aggregate_id,
+                "outbox-attempt": message.attempts,
+            }
+        )
+        if message.created_at is not None:
+            headers["outbox-created-at"] = message.created_at.isoformat()
+
+        links = self._links.get()
+        link = links.take()
+        healthy = False
+        try:
+            if link is None:
+                link = self._connect()
+            link.returned.clear()
+            if self.unroutable != "drop" and not self._has_route(link, routing_key):
+                healthy = True
+                self._unroutable(routing_key, "no binding matches")
+            link.producer.publish(
+                body,
+                routing_key=routing_key,
+                content_type="application/json",
+                content_encoding="utf-8",
+                headers=headers,
+                message_id=message.idempotency_key,
+                type=message.event_type,
+                app_id="outbox-relay",
+                delivery_mode=2,
+                mandatory=self.unroutable != "drop",
+                retry=False,
+                timeout=self.write_timeout,
+                confirm_timeout=self.confirm_timeout,
+            )
+            healthy = True
+            # RabbitMQ sends basic.return before the ack that publish waited
+            # for, so by now the on_return callback has run if it will.
+            if link.returned:
+                self._unroutable(routing_key, link.returned[0])
+        except (RetryableError, PermanentError):
+            raise
+        except (kombu.exceptions.KombuError, MessageNacked, OSError, *self._errors) as exc:
+            raise RetryableError(f"broker {self._where}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if link is not None:
+                if healthy:
+                    links.give_back(link)
+                else:
+                    # After any error the channel's state is unknown (a closed
+                    # channel, an ack still in flight): never reuse it.
+                    link.close()

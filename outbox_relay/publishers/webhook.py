@@ -1,0 +1,440 @@
+"""Deliver messages as HTTP POSTs (webhooks), signed per Standard Webhooks.
+
+The body is the message payload as JSON, or with ``envelope=True`` the
+Standard Webhooks envelope ``{"type", "timestamp", "data"}``. Metadata and
+the signature travel in headers, so a receiver that only wants the payload
+reads the body as is.
+
+How a response becomes a delivery outcome:
+
+======================================  =================================
+2xx                                     done
+408, 425, 429, 5xx                      ``RetryableError`` (``Retry-After`` honoured)
+timeouts, refused/reset/dropped conns   ``RetryableError``
+3xx                                     ``PermanentError`` (redirects are not followed)
+any other 4xx                           ``PermanentError`` with an excerpt of the body
+======================================  =================================
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import logging
+import re
+import ssl
+import time
+import urllib.parse
+from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
+from email.utils import parsedate_to_datetime
+from importlib import metadata
+from typing import Any
+
+import httpx
+
+from ..errors import ConfigError, PermanentError, RetryableError
+from ..message import Message
+from ._options import as_bool, as_mapping
+from ._process import PerProcess
+
+__all__ = ["WebhookPublisher", "parse_retry_after", "sign"]
+
+log = logging.getLogger("outbox_relay.publishers.webhook")
+
+# A receiver's error body is only quoted in last_error; read little of it.
+EXCERPT_CHARS = 300
+_EXCERPT_BYTES = 4096
+# A 2xx body is read (and discarded) so the connection can be reused; a
+# longer one is cut off and the connection closed instead.
+_DRAIN_BYTES = 64 * 1024
+_RETRYABLE_4XX = frozenset({408, 425, 429})
+# Headers a message's own ``headers`` may not set: ours, and the ones that
+# frame the request (a wrong Content-Length would corrupt the connection).
+_RESERVED = frozenset(
+    {
+        "content-type",
+        "content-length",
+        "content-encoding",
+        "transfer-encoding",
+        "connection",
+        "host",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "user-agent",
+        "idempotency-key",
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+    }
+)
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
+# Everything printable in ASCII except "%" stays as is when a value must be
+# percent-encoded, so mostly-ASCII values stay readable.
+_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+_SECRET_PREFIX = "whsec_"  # noqa: S105 - the format marker, not a secret
+
+
+def _user_agent() -> str:
+    try:
+        version = metadata.version("outbox-relay")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        version = "dev"
+    return f"outbox-relay/{version}"
+
+
+def _header_value(value: str) -> str:
+    """A header-safe rendering: printable ASCII as is, anything else percent-encoded.
+
+    Aggregate ids and operation keys are user data; a newline in one must
+    never reach the wire (header injection), and non-ASCII is not portable.
+    The result is deterministic, so the idempotency key stays stable.
+    """
+    return value if _PRINTABLE.fullmatch(value) else urllib.parse.quote(value, safe=_SAFE)
+
+
+def _decode_secret(secret: str | bytes) -> bytes:
+    """The HMAC key from ``whsec_<base64>`` (or bare base64, or raw bytes)."""
+    if isinstance(secret, bytes):
+        key = secret
+    else:
+        text = secret.strip()
+        if text.startswith(_SECRET_PREFIX):
+            text = text[len(_SECRET_PREFIX) :]
+        try:
+            # The reference library accepts unpadded base64; so do we.
+            key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            raise ConfigError(
+                "the webhook secret (webhook_secret) must be 'whsec_' followed by base64"
+            ) from None
+    if not key:
+        raise ConfigError("the webhook secret (webhook_secret) must not be empty")
+    return key
+
+
+def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value: ``v1,<base64 HMAC-SHA256 of id.timestamp.body>``."""
+    to_sign = msg_id.encode() + b"." + str(timestamp).encode() + b"." + body
+    digest = hmac.new(key, to_sign, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode("ascii")
+
+
+def parse_retry_after(
+    value: str | None, *, now: datetime | None = None, cap: float | None = None
+) -> timedelta | None:
+    """``Retry-After`` as a delay: delta-seconds or an HTTP date; None when absent or invalid."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text:
+        return None
+    seconds: float
+    if text.isdigit():
+        seconds = float(int(text))
+    else:
+        try:
+            when = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # HTTP dates are GMT
+            when = when.replace(tzinfo=timezone.utc)
+        seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
+    seconds = max(0.0, seconds)
+    if cap is not None:
+        seconds = min(seconds, cap)
+    return timedelta(seconds=seconds)
+
+
+def _redact(url: str) -> str:
+    """The URL without credentials, query or fragment: safe for logs and last_error."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _excerpt(raw: bytes) -> str:
+    text = " ".join(raw.decode("utf-8", errors="replace").split())
+    if len(text) > EXCERPT_CHARS:
+        text = text[: EXCERPT_CHARS - 3] + "..."
+    return text
+
+
+def _iso(moment: datetime) -> str:
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class WebhookPublisher:
+    """POST each message to ``url``; one HTTP connection pool per process.
+
+    ``timeout_seconds`` is the worst case of one publish (connect + write +
+    read), which the relay checks against the lease at start-up. The read
+    timeout bounds each wait for bytes (httpx has no overall deadline), so a
+    server that trickles its response headers byte by byte is bounded per
+    read only; the body is read only up to a small limit and only while a
+    whole read timeout fits before the deadline.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        secret: str | bytes | None = None,
+        envelope: bool = False,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 6.0,
+        write_timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+        verify: bool | str | ssl.SSLContext = True,
+        max_retry_after: float = 86_400.0,
+        trust_env: bool = True,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"webhook URL {_redact(url)!r} must be an http(s) URL with a host")
+        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if not value > 0:
+                raise ConfigError(f"webhook {name} must be greater than 0, got {value!r}")
+        if write_timeout is not None and not write_timeout > 0:
+            raise ConfigError(
+                f"webhook write_timeout must be greater than 0, got {write_timeout!r}"
+            )
+        self.url = url
+        self.envelope = envelope
+        self.connect_timeout = float(connect_timeout)
+        self.read_timeout = float(read_timeout)
+        # Writing a small JSON body only blocks when the peer stopped reading,
+        # which is as much a sign of a dead peer as a slow connect.
+        self.write_timeout = float(write_timeout if write_timeout is not None else connect_timeout)
+        self.max_retry_after = float(max_retry_after)
+        self._key = _decode_secret(secret) if secret is not None else None
+        self._static_headers = {str(k): _header_value(str(v)) for k, v in (headers or {}).items()}
+        bad = [k for k in self._static_headers if not _TOKEN.fullmatch(k)]
+        if bad:
+            raise ConfigError(f"invalid webhook header name(s): {', '.join(sorted(bad))}")
+        if isinstance(verify, str):
+            verify = ssl.create_default_context(cafile=verify)
+        self._verify: bool | ssl.SSLContext = verify
+        self._trust_env = trust_env
+        self._where = _redact(url)
+        self._user_agent = _user_agent()
+        self._client = PerProcess(self._build_client)
+
+    # ------------------------------------------------------------- settings
+    @property
+    def timeout_seconds(self) -> float:
+        """The longest one publish can take (connect + write + read)."""
+        return self.connect_timeout + self.write_timeout + self.read_timeout
+
+    @property
+    def signed(self) -> bool:
+        return self._key is not None
+
+    def __repr__(self) -> str:
+        # Never the secret, nor credentials or a token in the URL's query.
+        return (
+            f"WebhookPublisher({self._where!r}, signed={self.signed}, envelope={self.envelope}, "
+            f"timeout_seconds={self.timeout_seconds:g})"
+        )
+
+    @classmethod
+    def from_options(
+        cls, url: str, options: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+    ) -> WebhookPublisher:
+        """Build from the relay's option bag (see docs/publishers.md for the names).
+
+        Timeouts not given explicitly are carved out of
+        ``publish_timeout_seconds`` so that a whole publish fits in it.
+        """
+        kwargs: dict[str, Any] = {}
+        budget = options.get("publish_timeout_seconds")
+        if budget is not None:
+            budget = float(budget)
+            connect = min(5.0, budget / 5.0)
+            kwargs.update(
+                connect_timeout=connect,
+                write_timeout=connect,
+                read_timeout=budget - 2 * connect,
+            )
+        names = {
+            "webhook_secret": "secret",
+            "webhook_envelope": "envelope",
+            "webhook_connect_timeout": "connect_timeout",
+            "webhook_read_timeout": "read_timeout",
+            "webhook_write_timeout": "write_timeout",
+            "webhook_headers": "headers",
+            "webhook_verify": "verify",
+            "webhook_max_retry_after": "max_retry_after",
+        }
+        for option, kwarg in names.items():
+            if options.get(option) is not None:
+                kwargs[kwarg] = options[option]
+        kwargs.update(overrides or {})
+        for name in ("envelope", "verify"):
+            if name in kwargs:
+                kwargs[name] = as_bool(f"webhook_{name}", kwargs[name])
+        if isinstance(kwargs.get("envelope"), str):
+            raise ConfigError("webhook_envelope must be true or false")
+        if "headers" in kwargs and kwargs["headers"] is not None:
+            kwargs["headers"] = as_mapping("webhook_headers", kwargs["headers"])
+        publisher = cls(url, **kwargs)
+        if budget is not None and publisher.timeout_seconds > budget + 1e-9:
+            raise ConfigError(
+                f"webhook timeouts for {publisher._where} add up to "
+                f"{publisher.timeout_seconds:g}s (connect {publisher.connect_timeout:g} + write "
+                f"{publisher.write_timeout:g} + read {publisher.read_timeout:g}), more than "
+                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({budget:g})"
+            )
+        return publisher
+
+    # --------------------------------------------------------------- client
+    def _build_client(self) -> httpx.Client:
+        return httpx.Client(
+            timeout=httpx.Timeout(
+                connect=self.connect_timeout,
+                read=self.read_timeout,
+                write=self.write_timeout,
+                # No connection cap, so no wait for a free connection either.
+                pool=None,
+            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            verify=self._verify,
+            follow_redirects=False,
+            trust_env=self._trust_env,
+        )
+
+    def close(self) -> None:
+        """Close this process's connection pool (a new one is built on next use)."""
+        client = self._client.reset()
+        if client is not None:
+            client.close()
+
+    # -------------------------------------------------------------- request
+    def body(self, message: Message) -> bytes:
+        """The exact bytes POSTed (and signed) for ``message``."""
+        document: Any = message.payload
+        if self.envelope:
+            # The envelope's timestamp is when the event was recorded, so the
+            # body (and the receiver's view of it) is the same on every retry.
+            occurred = message.created_at or datetime.now(timezone.utc)
+            document = {"type": message.event_type, "timestamp": _iso(occurred), "data": document}
+        return json.dumps(
+            document, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
+
+    def headers(self, message: Message, body: bytes, *, now: float | None = None) -> dict[str, str]:
+        """Every header of the request for ``message`` (signature included when configured)."""
+        headers: dict[str, str] = {}
+        for name, value in (message.headers or {}).items():
+            if (
+                isinstance(value, (str, int, float, bool))
+                and _TOKEN.fullmatch(name)
+                and name.lower() not in _RESERVED
+                and not name.lower().startswith("outbox-")
+            ):
+                headers[name] = _header_value(str(value))
+        headers.update(self._static_headers)
+        key = _header_value(message.idempotency_key)
+        headers.update(
+            {
+                "Content-Type": "application/json",
+                "User-Agent": self._user_agent,
+                "Idempotency-Key": key,
+                "Outbox-Message-Id": str(message.id),
+                "Outbox-Event-Type": _header_value(message.event_type),
+                "Outbox-Aggregate-Type": _header_value(message.aggregate_type),
+                "Outbox-Aggregate-Id": _header_value(message.aggregate_id),
+                "Outbox-Attempt": str(message.attempts),
+            }
+        )
+        if self._key is not None:
+            # Signed at send time: receivers reject timestamps older than a few
+            # minutes, so a retry must not reuse the first attempt's signature.
+            timestamp = int(now if now is not None else time.time())
+            headers["webhook-id"] = key
+            headers["webhook-timestamp"] = str(timestamp)
+            headers["webhook-signature"] = sign(self._key, key, timestamp, body)
+        return headers
+
+    def __call__(self, message: Message) -> None:
+        body = self.body(message)
+        headers = self.headers(message, body)
+        deadline = time.monotonic() + self.timeout_seconds
+        client = self._client.get()
+        try:
+            with client.stream("POST", self.url, content=body, headers=headers) as response:
+                status = response.status_code
+                if 200 <= status < 300:
+                    self._read(response, _DRAIN_BYTES, deadline)
+                    return
+                raw = self._read(response, _EXCERPT_BYTES, deadline)
+                retry_after = response.headers.get("Retry-After")
+                location = response.headers.get("Location")
+        except httpx.TimeoutException as exc:
+            raise RetryableError(
+                f"webhook {self._where}: {type(exc).__name__} (connect "
+                f"{self.connect_timeout:g}s, read {self.read_timeout:g}s)"
+            ) from exc
+        except (httpx.LocalProtocolError, httpx.UnsupportedProtocol) as exc:
+            # The request itself cannot be sent; sending it again will not help.
+            raise PermanentError(f"webhook {self._where}: {type(exc).__name__}: {exc}") from exc
+        except httpx.RemoteProtocolError as exc:
+            raise RetryableError(
+                f"webhook {self._where}: the server closed the connection without a valid "
+                f"response ({exc})"
+            ) from exc
+        except httpx.HTTPError as exc:  # connect refused/reset, TLS, proxy ...
+            raise RetryableError(f"webhook {self._where}: {type(exc).__name__}: {exc}") from exc
+        self._raise_for(status, raw, retry_after, location)
+
+    def _read(self, response: httpx.Response, limit: int, deadline: float) -> bytes:
+        """Up to ``limit`` bytes of the body, without overrunning the deadline.
+
+        Each read may wait up to the read timeout, so a read starts only while
+        that much time is left; otherwise the connection is closed unread.
+        """
+        chunks: list[bytes] = []
+        size = 0
+        stream = response.iter_bytes()
+        try:
+            while size < limit and deadline - time.monotonic() >= self.read_timeout:
+                chunk = next(stream, None)
+                if chunk is None:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        except (httpx.TransportError, httpx.StreamError, httpx.DecodingError):
+            # The status line already decided the outcome; a body cut short
+            # only shortens the excerpt.
+            pass
+        return b"".join(chunks)[:limit]
+
+    def _raise_for(
+        self, status: int, raw: bytes, retry_after: str | None, location: str | None
+    ) -> None:
+        excerpt = _excerpt(raw)
+        detail = f"webhook {self._where}: HTTP {status}" + (f": {excerpt}" if excerpt else "")
+        if status in _RETRYABLE_4XX or 500 <= status < 600:
+            delay = parse_retry_after(retry_after, cap=self.max_retry_after)
+            raise RetryableError(detail, retry_after=delay)
+        if 300 <= status < 400:
+            target = f" to {_redact(location)}" if location else ""
+            raise PermanentError(
+                f"webhook {self._where}: HTTP {status} redirect{target}; redirects are not "
+                "followed, configure the final URL"
+            )
+        if 400 <= status < 500:
+            raise PermanentError(detail)
+        raise RetryableError(f"{detail} (unexpected status)")

@@ -1,0 +1,149 @@
+-- Operator queries: dead letters, retention, status, metrics and grants.
+-- Loaded with queries.sql by outbox_relay/queries.py and run by
+-- outbox_relay/operations.py; none of them is on the delivery hot path.
+--
+-- {table} and friends are identifiers filled in with psycopg.sql.Identifier;
+-- %(name)s are bound parameters; %(now)s is NULL in production (the database
+-- clock decides) and a fixed timestamp in tests that move time.
+--
+-- The GRANT statements name their grantee as {{role}}: the doubled braces
+-- survive the identifier pass in queries.py, and operations.grants() fills
+-- the role in with a second psycopg.sql pass. Their comments are printed with
+-- them by `outbox-relay grant`, so they are written for the person applying them.
+
+-- name: op_attempts_distribution
+-- Attempts spent by the messages still awaiting delivery. Each status walks
+-- its own partial index (ready, leased), never the finished rows.
+SELECT attempts, count(*) AS messages
+  FROM {table}
+ WHERE status IN ('pending', 'processing')
+ GROUP BY attempts
+ ORDER BY attempts;
+
+-- name: op_dead_list
+-- Dead messages, oldest id first. "dead" lies inside the unfinished-rows
+-- partial index, so this never reads done rows. NULL filters match all;
+-- %(older_than)s compares created_at (the table has no "died at" column).
+SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
+       created_at, last_error, operation_key
+  FROM {table}
+ WHERE status = 'dead'
+   AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+   AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+   AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+   AND (%(older_than)s::interval IS NULL
+        OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+ ORDER BY id
+ LIMIT %(limit)s;
+
+-- name: op_dead_retry
+-- dead -> pending, due now, with a fresh attempt budget. %(ids)s NULL means
+-- every dead row the filters match. lease_version is left alone on purpose:
+-- it is the fencing token and must only ever grow. last_error is kept, so the
+-- reason it died stays visible until the next attempt writes its own result.
+UPDATE {table} AS o
+   SET status       = 'pending',
+       attempts     = 0,
+       available_at = coalesce(%(now)s::timestamptz, now())
+ WHERE o.status = 'dead'
+   AND (%(ids)s::bigint[] IS NULL OR o.id = ANY(%(ids)s::bigint[]))
+   AND (%(event_type)s::text IS NULL OR o.event_type = %(event_type)s::text)
+   AND (%(aggregate_type)s::text IS NULL OR o.aggregate_type = %(aggregate_type)s::text)
+   AND (%(aggregate_id)s::text IS NULL OR o.aggregate_id = %(aggregate_id)s::text)
+   AND (%(older_than)s::interval IS NULL
+        OR o.created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+RETURNING o.id;
+
+-- name: op_dead_skip
+-- dead -> done without delivering, to unblock an ordered aggregate whose head
+-- cannot be sent. last_error says so, because "done" alone would claim the
+-- receiver got it; done_at makes the row eligible for purge like any other.
+UPDATE {table} AS o
+   SET status     = 'done',
+       done_at    = coalesce(%(now)s::timestamptz, now()),
+       last_error = left('skipped by an operator, not delivered; last error: '
+                         || coalesce(o.last_error, 'none'), %(max_error)s::int)
+ WHERE o.status = 'dead'
+   AND o.id = ANY(%(ids)s::bigint[])
+RETURNING o.id;
+
+-- name: op_purge_cutoff
+-- Fixed once per purge run, so a long run does not chase rows finished after it began.
+SELECT coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval;
+
+-- name: op_purge_done
+-- One bounded batch of retention, oldest first along the done partial index.
+-- FOR UPDATE re-checks the WHERE clause on each row it locks, and SKIP LOCKED
+-- lets two purges share the work. "id = ANY(ARRAY(subquery))" rather than
+-- "id IN (subquery)": with IN the planner may hash the batch and scan the
+-- whole table to join it (tests/test_operations.py guards the plan); an
+-- array computed first can only be probed through the primary key. The outer
+-- DELETE repeats no status test, which could likewise tempt it into the
+-- large done index.
+DELETE FROM {table}
+ WHERE id = ANY(ARRAY(
+           SELECT id
+             FROM {table}
+            WHERE status = 'done'
+              AND done_at < %(cutoff)s::timestamptz
+            ORDER BY done_at
+            LIMIT %(batch)s
+              FOR UPDATE SKIP LOCKED));
+
+-- name: op_scrape_timeout
+-- Bounds one metrics scrape; transaction-local, so it is safe behind PgBouncer.
+SELECT set_config('statement_timeout', %(timeout)s, true);
+
+-- name: op_gauges
+-- Everything a scrape needs from the unfinished rows, each through its partial
+-- index, plus the planner's row estimate for the whole table (done rows are
+-- reltuples minus the others once the table is large; see metrics.py).
+SELECT (SELECT count(*) FROM {table} WHERE status = 'pending') AS pending,
+       (SELECT count(*) FROM {table} WHERE status = 'processing') AS processing,
+       (SELECT count(*) FROM {table} WHERE status = 'dead') AS dead,
+       (SELECT count(*) FROM {table}
+         WHERE status = 'processing'
+           AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
+       coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
+           (SELECT min(created_at) FROM {table} WHERE status = 'pending'),
+           (SELECT min(created_at) FROM {table} WHERE status = 'processing'))), 0)::float8
+           AS oldest_pending_age_seconds,
+       (SELECT c.reltuples
+          FROM pg_class AS c
+          JOIN pg_namespace AS n ON n.oid = c.relnamespace
+         WHERE n.nspname = %(schema)s AND c.relname = %(name)s)::float8 AS reltuples;
+
+-- name: op_done_count
+-- Exact count of done rows: an index-only walk of the done partial index,
+-- used while the table is small enough for that to be cheap.
+SELECT count(*) FROM {table} WHERE status = 'done';
+
+-- name: op_grant_producer
+-- Least privilege for application code that calls enqueue(): insert the
+-- columns enqueue writes (so it cannot forge a status, lease or attempt
+-- count), and read the columns the operation-key conflict check compares.
+-- The identity column needs no sequence privilege: PostgreSQL does not check
+-- one for GENERATED ... AS IDENTITY.
+GRANT USAGE ON SCHEMA {schema} TO {{role}};
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
+              available_at)
+   ON TABLE {table} TO {{role}};
+GRANT SELECT (id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key)
+   ON TABLE {table} TO {{role}};
+
+-- name: op_grant_relay
+-- Least privilege for the relay workers, beat and operator commands: read and
+-- finalize rows (UPDATE also covers the claim's FOR UPDATE), delete finished
+-- rows (purge), and read which migrations were applied. No INSERT, no DDL.
+GRANT USAGE ON SCHEMA {schema} TO {{role}};
+GRANT SELECT, UPDATE, DELETE ON TABLE {table} TO {{role}};
+GRANT SELECT ON TABLE {migrations} TO {{role}};
+
+-- name: op_relation_exists
+-- Exact (case-sensitive) names: to_regclass() on unquoted text would fold case.
+SELECT EXISTS (
+    SELECT 1
+      FROM pg_class AS c
+      JOIN pg_namespace AS n ON n.oid = c.relnamespace
+     WHERE n.nspname = %(schema)s AND c.relname = %(name)s
+);

@@ -1,0 +1,349 @@
+"""``outbox-relay`` against real PostgreSQL: every command through click's
+CliRunner, and the installed scripts (``outbox-relay``, ``celery ... outbox``)
+as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from outbox_relay import store
+from outbox_relay.cli import celery_command, main, mask_dsn, parse_duration
+
+from .opsdata import EXPECTED, add, backdate, claim_all, make_dead, scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def cli(*args: str, dsn: str | None = None, **env: str | None) -> Result:
+    """Run ``outbox-relay`` in-process; nothing leaks in from the environment."""
+    argv = (["--dsn", dsn] if dsn else []) + list(args)
+    clean: dict[str, str | None] = {"OUTBOX_DSN": None, "OUTBOX_TABLE": None, **env}
+    return CliRunner().invoke(main, argv, env=clean)
+
+
+def ok(result: Result) -> str:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result.output
+
+
+def row(conn: psycopg.Connection[Any], message_id: int) -> dict[str, Any]:
+    found = store.get_row(conn, message_id)
+    assert found is not None
+    return found
+
+
+def past(**delta: float) -> datetime:
+    return datetime.now(timezone.utc) - timedelta(**delta)
+
+
+# ---------------------------------------------------------------- migrate
+def test_migrate_applies_then_reports_nothing_to_do(fresh_database: str) -> None:
+    first = ok(cli("migrate", dsn=fresh_database))
+    assert "applied migrations 1, 2 to public.outbox" in first
+    assert "up to date" in ok(cli("migrate", dsn=fresh_database))
+
+
+def test_migrate_sql_prints_a_script_that_migrates(fresh_database: str) -> None:
+    # Without a database: every migration, nothing applied anywhere.
+    offline = ok(cli("--table", "app.events", "migrate", "--sql"))
+    assert 'CREATE TABLE "app"."events"' in offline
+    assert 'CREATE INDEX "events_done"' in offline
+    # With one: what that database lacks (everything, here), still not applied.
+    script = ok(cli("migrate", "--sql", dsn=fresh_database))
+    assert script.startswith("-- outbox-relay migrations for public.outbox: 0001_outbox")
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('public.outbox')").fetchone() == (None,)
+        conn.execute(script)  # what a DBA would run after review
+        assert conn.execute("SELECT version FROM outbox_migrations ORDER BY 1").fetchall() == [
+            (1,),
+            (2,),
+        ]
+    assert "up to date" in ok(cli("migrate", dsn=fresh_database))
+    assert "no migration to apply" in ok(cli("migrate", "--sql", dsn=fresh_database))
+
+
+# ---------------------------------------------------------------- status
+def test_status_json_matches_rows(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    scenario(conn)
+    snapshot = json.loads(ok(cli("status", "--json", dsn=dsn)))
+    assert set(snapshot) == {*EXPECTED, "oldest_pending_age_seconds"}
+    age = snapshot.pop("oldest_pending_age_seconds")
+    assert snapshot == EXPECTED
+    assert 3600 <= age < 3660
+
+
+def test_status_table_and_watch(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    scenario(conn)
+    text = ok(cli("status", dsn=dsn))
+    assert "dead messages" in text and "expired leases" in text
+    assert "0: 2, 1: 2" in text  # attempts distribution
+    assert "1h 00m" in text  # the backdated message's age
+    lines = ok(cli("status", "--json", "--watch", "0.1", "--count", "3", dsn=dsn)).splitlines()
+    assert len(lines) == 3
+    assert all(json.loads(line)["dead"] == 1 for line in lines)
+
+
+def test_status_never_prints_the_password(dsn: str) -> None:
+    secret = "s3cret-Pa55"
+    # The test server trusts local connections, so any password gets in.
+    with_password = make_conninfo(dsn, password=secret)
+    text = ok(cli("status", dsn=with_password))
+    assert "password=****" in text and secret not in text
+    unreachable = make_conninfo(dsn, port=1, password=secret)
+    failed = cli("status", dsn=unreachable)
+    assert failed.exit_code == 1
+    assert "cannot connect to" in failed.output and secret not in failed.output
+
+
+def test_mask_dsn_forms() -> None:
+    assert mask_dsn("postgresql://app:pw@db:5432/x?sslmode=require") == (
+        "postgresql://app:****@db:5432/x?sslmode=require"
+    )
+    assert mask_dsn("postgresql://db/x?password=pw&user=app") == (
+        "postgresql://db/x?password=****&user=app"
+    )
+    assert conninfo_to_dict(mask_dsn("host=db password=pw dbname=x"))["password"] == "****"
+    assert mask_dsn("postgresql://app@db/x") == "postgresql://app@db/x"
+
+
+def test_missing_table_suggests_migrate(fresh_database: str) -> None:
+    result = cli("status", dsn=fresh_database)
+    assert result.exit_code == 1
+    assert "outbox-relay migrate" in result.output
+
+
+def test_missing_dsn_is_a_usage_error() -> None:
+    result = cli("status")
+    assert result.exit_code == 2
+    assert "--dsn" in result.output and "OUTBOX_DSN" in result.output
+
+
+# ---------------------------------------------------------------- durations
+def test_parse_duration() -> None:
+    assert parse_duration("7d") == timedelta(days=7)
+    assert parse_duration("12h") == timedelta(hours=12)
+    assert parse_duration("30m") == timedelta(minutes=30)
+    assert parse_duration("45s") == timedelta(seconds=45)
+    assert parse_duration("1h30m") == timedelta(minutes=90)
+    assert parse_duration("1.5h") == timedelta(minutes=90)
+    for bad in ("", "7", "7x", "d7", "-1h", "1h 30m"):
+        with pytest.raises(ValueError, match="not a duration"):
+            parse_duration(bad)
+
+
+@pytest.mark.parametrize("command", [["purge"], ["dead", "list"]])
+def test_bad_duration_names_the_option(dsn: str, command: list[str]) -> None:
+    result = cli(*command, "--older-than", "7x", dsn=dsn)
+    assert result.exit_code == 2
+    assert "--older-than" in result.output and "'7x' is not a duration" in result.output
+
+
+# ---------------------------------------------------------------- dead letters
+def test_dead_list_filters(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    t0 = past(hours=2)
+    a = add(conn, at=t0, event_type="order.paid", aggregate_id="o1")[0]
+    b = add(conn, at=t0, event_type="order.paid", aggregate_id="o2")[0]
+    c = add(conn, at=t0, event_type="invoice.sent", aggregate_type="invoice", aggregate_id="i1")[0]
+    alive = add(conn, at=t0, event_type="order.paid", aggregate_id="o3")[0]
+    make_dead(conn, [a, b, c], t0, "permanent: HTTP 422 unprocessable")
+    backdate(conn, a, timedelta(days=2))
+
+    def listed(*args: str) -> list[int]:
+        return [r["id"] for r in json.loads(ok(cli("dead", "list", "--json", *args, dsn=dsn)))]
+
+    assert listed() == [a, b, c]
+    assert alive not in listed()
+    assert listed("--event-type", "order.paid") == [a, b]
+    assert listed("--aggregate-type", "invoice") == [c]
+    assert listed("--aggregate-id", "o2") == [b]
+    assert listed("--older-than", "1d") == [a]
+    assert listed("--limit", "2") == [a, b]
+    first = json.loads(ok(cli("dead", "list", "--json", dsn=dsn)))[0]
+    assert first["last_error"] == "permanent: HTTP 422 unprocessable"
+    assert first["attempts"] == 1 and first["event_type"] == "order.paid"
+    assert "payload" not in first
+    text = ok(cli("dead", "list", dsn=dsn))
+    assert "HTTP 422" in text and "invoice/i1" in text
+    assert "no dead messages match" in ok(cli("dead", "list", "--aggregate-id", "zz", dsn=dsn))
+
+
+def ordered_aggregate(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """An ordered aggregate whose head is dead: nothing of it is claimable."""
+    t0 = past(hours=1)
+    head, successor = add(conn, at=t0, aggregate_type="cart", aggregate_id="c1", n=2)
+    claimed = claim_all(conn, t0, ordered=True)
+    assert list(claimed) == [head]  # the successor waits behind the head
+    assert store.mark_dead(conn, claimed[head], error="permanent: bad address", now=t0)
+    assert claim_all(conn, t0, ordered=True) == {}  # a dead head blocks its aggregate
+    return head, successor
+
+
+def test_dead_retry_unblocks_an_ordered_aggregate(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    head, successor = ordered_aggregate(conn)
+    before = row(conn, head)
+    out = ok(cli("dead", "retry", str(head), dsn=dsn))
+    assert f"retried 1 dead message(s): {head}" in out
+    after = row(conn, head)
+    assert after["status"] == "pending" and after["attempts"] == 0
+    assert after["available_at"] <= datetime.now(timezone.utc)
+    assert after["last_error"] == "permanent: bad address"  # kept for history
+    assert after["lease_version"] == before["lease_version"]  # the fence never goes back
+    # The head is claimable again, and still first: its successor waits.
+    claimed = claim_all(conn, datetime.now(timezone.utc), ordered=True)
+    assert list(claimed) == [head]
+    assert claimed[head].attempts == 1
+    assert store.mark_done(conn, claimed[head])
+    assert list(claim_all(conn, datetime.now(timezone.utc), ordered=True)) == [successor]
+
+
+def test_dead_skip_unblocks_an_ordered_aggregate(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    head, successor = ordered_aggregate(conn)
+    out = ok(cli("dead", "skip", str(head), dsn=dsn))
+    assert f"skipped 1 dead message(s): {head}" in out
+    skipped = row(conn, head)
+    assert skipped["status"] == "done" and skipped["done_at"] is not None
+    assert skipped["last_error"].startswith("skipped by an operator, not delivered")
+    assert "permanent: bad address" in skipped["last_error"]
+    assert list(claim_all(conn, datetime.now(timezone.utc), ordered=True)) == [successor]
+
+
+def test_dead_commands_touch_only_dead_rows(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    t0 = past(hours=1)
+    dead = add(conn, at=t0, event_type="order.paid", n=2)
+    other = add(conn, at=t0, event_type="invoice.sent")[0]
+    alive = add(conn, at=t0)[0]
+    make_dead(conn, [*dead, other], t0, "boom")
+    # An id that is not dead is reported and fails the command; the dead one changes.
+    mixed = cli("dead", "retry", str(dead[0]), str(alive), "999999", dsn=dsn)
+    assert mixed.exit_code == 1
+    assert f"retried 1 dead message(s): {dead[0]}" in mixed.output
+    assert f"not dead (or missing), left unchanged: {alive}, 999999" in mixed.output
+    assert row(conn, alive)["status"] == "pending" and row(conn, alive)["attempts"] == 0
+    assert cli("dead", "skip", str(alive), dsn=dsn).exit_code == 1
+    assert row(conn, alive)["status"] == "pending"
+    # --all with a filter retries just what matches.
+    out = ok(cli("dead", "retry", "--all", "--event-type", "order.paid", dsn=dsn))
+    assert f"retried 1 dead message(s): {dead[1]}" in out
+    assert row(conn, other)["status"] == "dead"
+    assert f"retried 1 dead message(s): {other}" in ok(cli("dead", "retry", "--all", dsn=dsn))
+    assert "retried 0 dead message(s)" in ok(cli("dead", "retry", "--all", dsn=dsn))
+    # Argument mistakes are usage errors.
+    assert cli("dead", "retry", dsn=dsn).exit_code == 2
+    assert cli("dead", "retry", "--all", str(other), dsn=dsn).exit_code == 2
+    assert cli("dead", "retry", str(other), "--event-type", "x", dsn=dsn).exit_code == 2
+    assert cli("dead", "skip", dsn=dsn).exit_code == 2
+
+
+# ---------------------------------------------------------------- purge
+def test_purge_deletes_old_done_rows_in_batches(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    old, recent = past(days=10), past(days=1)
+    old_ids = add(conn, at=old, n=7)
+    for c in claim_all(conn, old).values():
+        assert store.mark_done(conn, c, now=old)
+    recent_ids = add(conn, at=recent, n=2)
+    for c in claim_all(conn, recent).values():
+        assert store.mark_done(conn, c, now=recent)
+    dead = add(conn, at=old)[0]
+    make_dead(conn, [dead], old, "boom")
+    backdate(conn, dead, timedelta(days=30))
+    pending = add(conn, at=old)[0]
+    backdate(conn, pending, timedelta(days=30))
+
+    # One batch only: three rows go, the rest waits for the next run.
+    first = ok(
+        cli("purge", "--older-than", "7d", "--batch-size", "3", "--max-batches", "1", dsn=dsn)
+    )
+    assert "purged 3 done message(s)" in first and "in 1 batch(es) of at most 3" in first
+    rest = ok(cli("purge", "--older-than", "7d", "--batch-size", "3", dsn=dsn))
+    assert "purged 4 done message(s)" in rest and "in 2 batch(es)" in rest  # 3 + 1
+    left = {r[0]: r[1] for r in conn.execute("SELECT id, status FROM outbox")}
+    assert set(left) == {*recent_ids, dead, pending}
+    assert not set(old_ids) & set(left)
+    assert left[dead] == "dead" and left[pending] == "pending"
+    assert "purged 0 done message(s)" in ok(cli("purge", "--older-than", "7d", dsn=dsn))
+    assert "purged 2 done message(s)" in ok(cli("purge", "--older-than", "12h", dsn=dsn))
+
+
+# ---------------------------------------------------------------- grant, metrics
+def test_grant_prints_quoted_statements() -> None:
+    producer = ok(cli("--table", "app.events", "grant", "--role", 'web"app', "--kind", "producer"))
+    assert 'GRANT USAGE ON SCHEMA "app" TO "web""app";' in producer
+    assert 'ON TABLE "app"."events" TO "web""app";' in producer
+    assert "UPDATE" not in producer and "DELETE" not in producer
+    relay = ok(cli("grant", "--role", "relay", "--kind", "relay"))
+    assert 'GRANT SELECT, UPDATE, DELETE ON TABLE "public"."outbox" TO "relay";' in relay
+    assert 'GRANT SELECT ON TABLE "public"."outbox_migrations" TO "relay";' in relay
+    assert cli("grant", "--role", "x", "--kind", "admin").exit_code == 2
+    assert cli("--table", "bad-name", "grant", "--role", "x", "--kind", "relay").exit_code == 2
+
+
+def test_metrics_once_prints_the_gauges(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    scenario(conn)
+    text = ok(cli("metrics", "--once", dsn=dsn))
+    assert 'outbox_messages{status="pending"} 3.0' in text
+    assert 'outbox_messages{status="dead"} 1.0' in text
+    assert "outbox_expired_leases 1.0" in text
+    assert "outbox_database_up 1.0" in text
+
+
+# ---------------------------------------------------------------- real processes
+def test_installed_script_status_json(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    scenario(conn)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    done = subprocess.run(
+        [str(BIN / "outbox-relay"), "status", "--json", "--dsn", dsn],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    snapshot = json.loads(done.stdout)
+    assert 3600 <= snapshot.pop("oldest_pending_age_seconds") < 3660
+    assert snapshot == EXPECTED
+
+
+def test_celery_outbox_command_uses_the_app_settings(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """``celery -A APP outbox``: the DSN comes from the app's outbox_dsn setting."""
+    t0 = past(hours=1)
+    [dead] = add(conn, at=t0)
+    make_dead(conn, [dead], t0, "boom")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({"CLI_APP_DSN": dsn, "PYTHONPATH": str(ROOT)})
+
+    def celery(*args: str) -> str:
+        done = subprocess.run(
+            [str(BIN / "celery"), "-A", "tests.apps.cli_app", "outbox", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert json.loads(celery("status", "--json"))["dead"] == 1
+    assert f"retried 1 dead message(s): {dead}" in celery("dead", "retry", str(dead))
+    assert row(conn, dead)["status"] == "pending"
+
+
+def test_celery_command_is_the_same_cli() -> None:
+    assert celery_command.name == "outbox"
+    assert set(celery_command.commands) == set(main.commands)

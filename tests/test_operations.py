@@ -1,0 +1,122 @@
+"""outbox_relay.operations against real PostgreSQL: the grants really are
+enough (and no more), purge keeps an index-backed plan, argument checks."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import errors, sql
+
+from outbox_relay import OperationKeyConflict, OutboxTable, enqueue, operations, store
+from outbox_relay.queries import queries_for
+
+from .opsdata import LEASE, add, claim_all, db_now, make_dead
+
+
+@pytest.fixture
+def role(conn: psycopg.Connection[Any]) -> Iterator[str]:
+    """A throwaway role. Roles are cluster-wide: drop it, and what it was
+    granted in this database, before the database goes."""
+    name = f"outbox_role_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(name)))
+    try:
+        yield name
+    finally:
+        conn.execute("RESET ROLE")
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def act_as(conn: psycopg.Connection[Any], role: str) -> None:
+    conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(role)))
+
+
+def test_producer_grants_allow_enqueue_and_nothing_else(
+    conn: psycopg.Connection[Any], role: str
+) -> None:
+    conn.execute(operations.grants(role, "producer"))
+    act_as(conn, role)
+    first = enqueue(conn, aggregate_type="order", aggregate_id=1, event_type="order.created",
+                    payload={"total": 10}, operation_key="order-1-created")  # fmt: skip
+    # The operation-key check reads the existing row: same content, same id ...
+    again = enqueue(conn, aggregate_type="order", aggregate_id=1, event_type="order.created",
+                    payload={"total": 10}, operation_key="order-1-created")  # fmt: skip
+    assert again == first
+    # ... different content, a clear error.
+    with pytest.raises(OperationKeyConflict):
+        enqueue(conn, aggregate_type="order", aggregate_id=1, event_type="order.created",
+                payload={"total": 99}, operation_key="order-1-created")  # fmt: skip
+    enqueue(conn, aggregate_type="order", aggregate_id=1, event_type="order.paid", payload={},
+            ordered=True, delay=timedelta(seconds=5))  # fmt: skip
+    for forbidden in (
+        "SELECT status, last_error FROM outbox",
+        "UPDATE outbox SET status = 'done'",
+        "DELETE FROM outbox",
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status)"
+        " VALUES ('a', 'b', 'c', '{}', 'done')",
+    ):
+        with pytest.raises(errors.InsufficientPrivilege):
+            conn.execute(forbidden)
+
+
+def test_relay_grants_cover_delivery_and_operations(
+    conn: psycopg.Connection[Any], role: str
+) -> None:
+    t0 = db_now(conn) - timedelta(days=10)
+    ids = add(conn, at=t0, n=3)
+    make_dead(conn, [ids[2]], t0, "boom")
+    conn.execute(operations.grants(role, "relay"))
+    act_as(conn, role)
+    claimed = claim_all(conn, t0)
+    assert set(claimed) == set(ids[:2])
+    assert store.mark_done(conn, claimed[ids[0]], now=t0)
+    assert store.extend_lease(conn, claimed[ids[1]], lease=LEASE, now=t0)
+    assert store.mark_dead(conn, claimed[ids[1]], error="x", now=t0)
+    assert operations.status(conn)["dead"] == 2
+    assert [r.id for r in operations.dead_list(conn)] == ids[1:]
+    assert operations.dead_retry(conn, [ids[1]]) == [ids[1]]
+    assert operations.dead_skip(conn, [ids[2]]) == [ids[2]]
+    assert operations.purge(conn, older_than=timedelta(days=7)).deleted == 1
+    assert conn.execute("SELECT max(version) FROM outbox_migrations").fetchone() == (2,)
+    with pytest.raises(errors.InsufficientPrivilege):
+        enqueue(conn, aggregate_type="a", aggregate_id="b", event_type="c", payload={})
+
+
+def test_purge_plan_probes_the_primary_key(conn: psycopg.Connection[Any]) -> None:
+    """With ``id IN (subquery)`` the planner hashed the batch and scanned the
+    whole table for it; the batch must reach rows through the primary key."""
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, done_at)"
+        " SELECT 'a', g::text, 'e', '{}', 'done', now() - g * interval '1 second'"
+        " FROM generate_series(1, 20000) AS g"
+    )
+    conn.execute("ANALYZE outbox")
+    query = queries_for(OutboxTable()).op_purge_done
+    plan = conn.execute(
+        "EXPLAIN (FORMAT JSON) " + query, {"cutoff": db_now(conn), "batch": 5000}
+    ).fetchone()
+    assert plan is not None
+    text = json.dumps(plan[0])
+    assert "Seq Scan" not in text, text
+    assert '"Index Name": "outbox_pkey"' in text and '"Index Name": "outbox_done"' in text
+
+
+def test_argument_checks(conn: psycopg.Connection[Any]) -> None:
+    with pytest.raises(ValueError, match="ids to retry"):
+        operations.dead_retry(conn)
+    with pytest.raises(ValueError, match="not both"):
+        operations.dead_retry(conn, [1], all_dead=True)
+    assert operations.dead_retry(conn, []) == []
+    assert operations.dead_skip(conn, []) == []
+    with pytest.raises(ValueError, match="batch_size"):
+        operations.purge(conn, older_than=timedelta(days=1), batch_size=0)
+    with conn.transaction(), pytest.raises(ValueError, match="outside a transaction"):
+        operations.purge(conn, older_than=timedelta(days=1))
+    with pytest.raises(ValueError, match="kind"):
+        operations.grants("x", "admin")  # type: ignore[arg-type]
