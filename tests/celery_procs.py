@@ -67,7 +67,14 @@ class CeleryProcs:
     """Starts workers and beats with one environment; stops them all at the end."""
 
     def __init__(self, env: Mapping[str, str], folder: Path, app: str = "outbox_relay.app"):
-        self.env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+        self.env = {
+            **os.environ,
+            # Only what the test sets: not the example celeryconfig.py that
+            # PYTHONPATH would otherwise make importable.
+            "CELERY_CONFIG_MODULE": "tests.apps.no_celeryconfig",
+            **env,
+            "PYTHONPATH": str(ROOT),
+        }
         self.folder = folder
         self.app = app
         self.procs: list[Proc] = []
@@ -99,6 +106,7 @@ class CeleryProcs:
         env: Mapping[str, str] | None = None,
         args: tuple[str, ...] = (),
         ready: bool = True,
+        events: bool = True,
     ) -> Proc:
         name = f"w{self._n + 1}"
         proc = self._start(
@@ -113,7 +121,7 @@ class CeleryProcs:
                 str(concurrency),
                 "-l",
                 "info",
-                "-E",
+                *(["-E"] if events else []),
                 "--without-gossip",
                 "--without-mingle",
                 *args,

@@ -94,10 +94,13 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Validates the relay at worker start and runs the NOTIFY listener."""
 
     label = "outbox-relay"
+    # Start after the pool has forked its children.
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.listener: NotifyListener | None = None
+        self.connection: Any = None
         rt = getattr(worker.app, "outbox_relay", None)
         self.rt = rt
         if rt is None:
@@ -111,10 +114,17 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if rt is None or not rt.settings.listen:
             return
         s = rt.settings
-        claim = worker.app.tasks["outbox_relay.claim"]
+        app = worker.app
+        claim = app.tasks["outbox_relay.claim"]
+        # A broker connection of the listener's own. Sharing the app's pool
+        # with a thread of the main process is unsafe under prefork: a child
+        # forked while the thread holds that pool's lock deadlocks when it
+        # resets the pool after fork.
+        self.connection = app.connection_for_write()
+        producer = app.amqp.Producer(self.connection)
 
         def trigger() -> None:
-            claim.apply_async(queue=s.queue, serializer="json")
+            claim.apply_async(queue=s.queue, serializer="json", producer=producer)
 
         self.listener = NotifyListener(s.require_dsn(), queries_for(s.outbox_table).listen, trigger)
         self.listener.start()
@@ -123,3 +133,6 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.listener is not None:
             self.listener.stop()
             self.listener = None
+        if self.connection is not None:
+            self.connection.release()
+            self.connection = None

@@ -43,12 +43,21 @@ class PoolDatabase:
     fresh connection turns most of those into a blip instead of a lost lease.
     """
 
-    def __init__(self, dsn: str, *, size: int, name: str) -> None:
+    def __init__(
+        self, dsn: str, *, size: int, name: str, synchronous_finalize: bool = True
+    ) -> None:
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            if not synchronous_finalize:
+                # Finalizes stop waiting for the WAL flush; claims still
+                # commit durably (store.claim sets it back for its transaction).
+                conn.execute("SET synchronous_commit = off")
+
         self.pool = ConnectionPool(
             dsn,
             min_size=1,
             max_size=max(1, size),
             kwargs={"autocommit": True},
+            configure=configure,
             name=name,
             open=True,
         )
@@ -292,6 +301,7 @@ class RelayRuntime:
                     self.settings.require_dsn(),
                     size=self.settings.pool_size,
                     name=f"outbox-relay-{os.getpid()}",
+                    synchronous_finalize=self.settings.synchronous_finalize,
                 )
             return self._db
 

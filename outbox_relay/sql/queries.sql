@@ -50,6 +50,13 @@ INSERT INTO {migrations} (version, name) VALUES (%(version)s, %(name)s);
 -- name: notify
 SELECT pg_notify(%(channel)s, '');
 
+-- name: durable_commit
+-- A claim bumps the fencing token; its commit must be durable even on a
+-- connection that finalizes with synchronous_commit = off (see Settings.
+-- synchronous_finalize): a claim forgotten in a crash could hand out the
+-- same lease_version twice.
+SET LOCAL synchronous_commit = on;
+
 -- name: reap
 -- Rows whose lease expired with no attempts left: the worker died on its last
 -- try (a poison message that kills workers never reaches an except branch).

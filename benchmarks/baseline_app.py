@@ -1,0 +1,45 @@
+"""Baselines on the same broker and pool as the relay: the Celery ceiling.
+
+``noop`` does nothing. ``update`` does what the relay's per-message task
+must at least do: one PostgreSQL UPDATE and commit, on a connection per process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psycopg
+from celery import Celery
+
+app = Celery("bench-baseline", broker=os.environ.get("CELERY_BROKER_URL"))
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,
+    task_default_queue="baseline",
+    broker_connection_retry_on_startup=True,
+)
+
+_conn: psycopg.Connection[Any] | None = None
+_pid: int | None = None
+
+
+def _connection() -> psycopg.Connection[Any]:
+    global _conn, _pid
+    if _conn is None or _pid != os.getpid():
+        _conn = psycopg.connect(os.environ["BENCH_DSN"])
+        _pid = os.getpid()
+    return _conn
+
+
+@app.task(name="bench.noop")
+def noop(item: int) -> None:
+    return None
+
+
+@app.task(name="bench.update")
+def update(item: int) -> None:
+    conn = _connection()
+    conn.execute("UPDATE bench_items SET done = true WHERE id = %s", (item,))
+    conn.commit()

@@ -1,0 +1,387 @@
+"""Query-plan regression tests for the hot path.
+
+A queue table fills with finished rows; the hot queries must not notice.
+These tests read ``EXPLAIN (FORMAT JSON)`` of the exact SQL the store runs
+(``queries_for``), with literal parameters bound client-side, and fail when
+a plan walks the table or the wrong index:
+
+* claim: each branch walks its own partial index (``outbox_ready`` for due
+  pending rows, ``outbox_leased`` for expired leases), never past the
+  million finished rows;
+* the fenced statements (finalize, lease renewal, the fence check before a
+  publish) probe the primary key, never a partial index: see the comment on
+  ``finalize`` in ``sql/queries.sql`` for the thin-statistics trap.
+
+Timing is reported, never asserted (that belongs in ``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import ClientCursor
+from psycopg.conninfo import make_conninfo
+
+from outbox_relay import OutboxTable, store
+from outbox_relay.queries import queries_for
+from outbox_relay.store import Outcome
+
+Q = queries_for(OutboxTable())
+FINISHED_ROWS = 1_000_000
+PENDING_ROWS = 300
+PROCESSING_ROWS = 200
+LEASE = timedelta(seconds=60)
+PARTIAL_INDEXES = {
+    "outbox_ready",
+    "outbox_leased",
+    "outbox_unfinished_agg",
+    "outbox_operation_key",
+    "outbox_done",
+}
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def big_dsn(pg_admin_dsn: str, pg_template: str) -> Iterator[str]:
+    """A migrated database whose outbox holds a million finished rows.
+
+    Built once for the module (one INSERT ... SELECT generate_series, then
+    ANALYZE), plus a few hundred pending and processing rows, some of them
+    with expired leases.
+    """
+    name = f"outbox_plans_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    dsn = make_conninfo(pg_admin_dsn, dbname=name)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            # Keep autovacuum's ANALYZE from changing the statistics mid-module.
+            conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
+            conn.execute(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload,"
+                " status, available_at, attempts, lease_version, created_at, done_at)"
+                " SELECT 'order', (g %% 50000)::text, 'order.paid', '{}'::jsonb, 'done',"
+                " now() - interval '1 hour', 1, 1, now() - interval '1 hour', now()"
+                " FROM generate_series(1, %s) AS g",
+                (FINISHED_ROWS,),
+            )
+            add_live_rows(conn)
+            conn.execute("ANALYZE outbox")
+        yield dsn
+    finally:
+        with psycopg.connect(pg_admin_dsn, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def big(big_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(big_dsn, autocommit=True) as conn:
+        yield conn
+
+
+def add_live_rows(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
+        " SELECT 'order', g::text, 'order.paid', '{}'::jsonb FROM generate_series(1, %s) AS g",
+        (PENDING_ROWS,),
+    )
+    # Half of the leases already expired.
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status,"
+        " lease_owner, lease_until, lease_version, attempts)"
+        " SELECT 'order', g::text, 'order.paid', '{}'::jsonb, 'processing', 'w',"
+        " now() + (g %% 2 * 2 - 1) * interval '1 minute', 1, 1"
+        " FROM generate_series(1, %s) AS g",
+        (PROCESSING_ROWS,),
+    )
+
+
+# ---------------------------------------------------------------- plan reading
+def explain(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The JSON plan of ``query`` with ``params`` inlined as literals."""
+    with ClientCursor(conn) as cur:
+        cur.execute("EXPLAIN (FORMAT JSON) " + query, params)
+        row = cur.fetchone()
+    assert row is not None
+    plan: dict[str, Any] = row[0][0]["Plan"]
+    return plan
+
+
+def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from nodes(child)
+
+
+def subplan(plan: dict[str, Any], name: str) -> dict[str, Any]:
+    for node in nodes(plan):
+        if node.get("Subplan Name") == name:
+            return node
+    raise AssertionError(f"no {name!r} in the plan:\n{describe(plan)}")
+
+
+def outbox_scans(plan: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(node type, index) of every node that reads the outbox table or its indexes."""
+    found = []
+    for node in nodes(plan):
+        index = node.get("Index Name")
+        if node.get("Relation Name") == "outbox" or (index and index.startswith("outbox_")):
+            if node["Node Type"] in ("ModifyTable", "LockRows"):
+                continue
+            found.append((node["Node Type"], index))
+    return found
+
+
+def describe(plan: dict[str, Any], depth: int = 0) -> str:
+    """A compact text rendering of a JSON plan, for failure messages."""
+    parts = [plan["Node Type"]]
+    for key in ("Subplan Name", "Relation Name", "Index Name", "Index Cond", "Filter"):
+        if key in plan:
+            parts.append(f"{key}={plan[key]}")
+    lines = ["  " * depth + " ".join(parts)]
+    for child in plan.get("Plans", []):
+        lines.append(describe(child, depth + 1))
+    return "\n".join(lines)
+
+
+def assert_walks_only(plan: dict[str, Any], branch: str, index: str) -> None:
+    """The CTE ``branch`` reads the table only through ``index``."""
+    scans = outbox_scans(subplan(plan, branch))
+    assert scans, f"{branch} reads no outbox index:\n{describe(plan)}"
+    # The first scan is the branch's own; any later ones are NOT EXISTS probes.
+    kind, used = scans[0]
+    assert kind in ("Index Scan", "Index Only Scan"), describe(plan)
+    assert used == index, f"{branch} walks {used}, not {index}:\n{describe(plan)}"
+
+
+def assert_probes_primary_key(plan: dict[str, Any]) -> None:
+    scans = outbox_scans(plan)
+    assert scans, describe(plan)
+    for kind, index in scans:
+        assert kind in ("Index Scan", "Index Only Scan") and index == "outbox_pkey", (
+            f"fenced statement reads the outbox with {kind} {index or ''}, "
+            f"not the primary key:\n{describe(plan)}"
+        )
+
+
+# ---------------------------------------------------------------- parameters
+def claim_params(ordered: bool | list[str] = False) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "owner": "w",
+        "batch": 50,
+        "lease": LEASE,
+        "max_attempts": 12,
+        "now": None,
+    }
+    if ordered is not False:
+        params["all_ordered"] = ordered is True
+        params["ordered_types"] = [] if ordered is True else ordered
+    return params
+
+
+def finalize_params(ids: list[int]) -> dict[str, Any]:
+    n = len(ids)
+    return {
+        "ids": ids,
+        "versions": [1] * n,
+        "statuses": ["done"] * n,
+        "delays": [timedelta(0)] * n,
+        "refunds": [0] * n,
+        "errors": [None] * n,
+        "now": None,
+    }
+
+
+def fence_params(ids: list[int]) -> dict[str, Any]:
+    return {"ids": ids, "versions": [1] * len(ids), "lease": LEASE, "now": None}
+
+
+def live_ids(conn: psycopg.Connection[Any], n: int) -> list[int]:
+    rows = conn.execute(
+        "SELECT id FROM outbox WHERE status = 'processing' ORDER BY id LIMIT %s", (n,)
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+# ---------------------------------------------------------------- a million finished rows
+def test_fixture_holds_a_million_finished_rows(big: psycopg.Connection[Any]) -> None:
+    row = big.execute(
+        "SELECT reltuples FROM pg_class WHERE oid = 'public.outbox'::regclass"
+    ).fetchone()
+    assert row is not None and row[0] >= FINISHED_ROWS
+
+
+def test_claim_walks_the_ready_and_leased_indexes(big: psycopg.Connection[Any]) -> None:
+    plan = explain(big, Q.claim, claim_params())
+    assert_walks_only(plan, "CTE ready", "outbox_ready")
+    assert_walks_only(plan, "CTE expired", "outbox_leased")
+    assert "Seq Scan" not in {kind for kind, _ in outbox_scans(plan)}, describe(plan)
+
+
+@pytest.mark.parametrize("ordered", [True, ["order.paid"]], ids=["all-types", "listed"])
+def test_ordered_claim_walks_the_same_indexes_and_probes_unfinished_rows(
+    big: psycopg.Connection[Any], ordered: bool | list[str]
+) -> None:
+    plan = explain(big, Q.claim_ordered, claim_params(ordered))
+    assert_walks_only(plan, "CTE ready", "outbox_ready")
+    assert_walks_only(plan, "CTE expired", "outbox_leased")
+    scans = outbox_scans(plan)
+    assert "Seq Scan" not in {kind for kind, _ in scans}, describe(plan)
+    # The "earlier unfinished message?" probe uses the per-aggregate index,
+    # which holds no finished rows.
+    assert "outbox_unfinished_agg" in {index for _, index in scans}, describe(plan)
+
+
+def test_reap_walks_the_leased_index(big: psycopg.Connection[Any]) -> None:
+    plan = explain(big, Q.reap, {"max_attempts": 12, "batch": 1000, "now": None})
+    scans = outbox_scans(plan)
+    assert scans[0] == ("Index Scan", "outbox_leased"), describe(plan)
+    assert "Seq Scan" not in {kind for kind, _ in scans}, describe(plan)
+
+
+@pytest.mark.parametrize("batch", [1, 50])
+def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], batch: int) -> None:
+    ids = live_ids(big, batch)
+    assert_probes_primary_key(explain(big, Q.finalize, finalize_params(ids)))
+    assert_probes_primary_key(explain(big, Q.extend_lease, fence_params(ids)))
+    assert_probes_primary_key(
+        explain(big, Q.load_leased, {"ids": ids, "versions": [1] * batch, "now": None})
+    )
+
+
+def _to_positional(query: str) -> tuple[str, list[str]]:
+    """``%(name)s`` placeholders as ``$n``, for a server-side PREPARE."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, query), names
+
+
+def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None:
+    # psycopg prepares a statement server-side once it ran a few times, and
+    # PostgreSQL may then reuse a generic plan made without the parameter
+    # values. Those plans must take the same paths.
+    big.execute("SET plan_cache_mode = force_generic_plan")
+    literals = {
+        "ids": "'{1,2,3}'::bigint[]",
+        "versions": "'{1,1,1}'::bigint[]",
+        "statuses": "'{done,done,done}'::text[]",
+        "delays": "'{0,0,0}'::interval[]",
+        "refunds": "'{0,0,0}'::int[]",
+        "errors": "'{NULL,NULL,NULL}'::text[]",
+        "now": "NULL::timestamptz",
+        "owner": "'w'",
+        "batch": "50",
+        "lease": "'60 seconds'::interval",
+        "max_attempts": "12",
+    }
+    plans = {}
+    try:
+        for name in ("finalize", "extend_lease", "claim"):
+            text, names = _to_positional(getattr(Q, name))
+            big.execute(f"PREPARE plan_{name} AS {text}")
+            args = ", ".join(literals[n] for n in names)
+            row = big.execute(f"EXPLAIN (FORMAT JSON) EXECUTE plan_{name}({args})").fetchone()
+            assert row is not None
+            plans[name] = row[0][0]["Plan"]
+    finally:
+        big.execute("DEALLOCATE ALL")
+        big.execute("RESET plan_cache_mode")
+    assert_probes_primary_key(plans["finalize"])
+    assert_probes_primary_key(plans["extend_lease"])
+    assert_walks_only(plans["claim"], "CTE ready", "outbox_ready")
+    assert_walks_only(plans["claim"], "CTE expired", "outbox_leased")
+
+
+# ---------------------------------------------------------------- thin statistics
+def test_finalize_probes_the_primary_key_when_statistics_are_thin(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # The table was ANALYZEd while almost empty (nothing processing), then a
+    # burst leased thousands of rows before the next ANALYZE. Statistics now
+    # say "nothing is processing": a fence written as status = 'processing'
+    # implies the partial indexes' predicates, and the planner then scans the
+    # whole outbox_leased index on every finalize.
+    conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status,"
+        " done_at) SELECT 'o', g::text, 'e', '{}', 'done', now() FROM generate_series(1, 100) g"
+    )
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
+        " SELECT 'o', g::text, 'e', '{}' FROM generate_series(1, 3) g"
+    )
+    conn.execute("ANALYZE outbox")
+
+    # Almost empty: a one-page table may be read whole, but never through a
+    # partial index.
+    tiny = explain(conn, Q.finalize, finalize_params([101]))
+    used = {index for _, index in outbox_scans(tiny)}
+    assert not used & PARTIAL_INDEXES, describe(tiny)
+
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status,"
+        " lease_owner, lease_until, lease_version, attempts)"
+        " SELECT 'o', g::text, 'e', '{}', 'processing', 'w', now() + interval '1 minute', 1, 1"
+        " FROM generate_series(1, 10000) g"
+    )
+    ids = live_ids(conn, 10)
+    for batch in (ids[:1], ids):
+        assert_probes_primary_key(explain(conn, Q.finalize, finalize_params(batch)))
+        assert_probes_primary_key(explain(conn, Q.extend_lease, fence_params(batch)))
+
+    # Control: the same statement fenced on status walks outbox_leased here,
+    # so this set-up does reproduce the trap the test guards against.
+    on_status = Q.finalize.replace("o.lease_until IS NOT NULL", "o.status = 'processing'")
+    assert on_status != Q.finalize
+    control = explain(conn, on_status, finalize_params(ids[:1]))
+    assert "outbox_leased" in {index for _, index in outbox_scans(control)}, describe(control)
+
+
+# ---------------------------------------------------------------- timing report
+def _time_claim_finalize(conn: psycopg.Connection[Any], rounds: int, batch: int) -> float:
+    """Seconds per claim + finalize round over freshly added pending rows."""
+    conn.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
+        " SELECT 'timing', g::text, 'e', '{}' FROM generate_series(1, %s) g",
+        (rounds * batch,),
+    )
+    # Warm up (and let psycopg prepare the statements) before measuring.
+    for _ in range(2):
+        claimed = store.claim(conn, owner="t", batch=1, lease=LEASE)
+        store.finalize(conn, [Outcome.done(m) for m in claimed])
+    started = time.perf_counter()
+    done = 0
+    for _ in range(rounds - 1):
+        claimed = store.claim(conn, owner="t", batch=batch, lease=LEASE)
+        done += len(store.finalize(conn, [Outcome.done(m) for m in claimed]))
+    elapsed = time.perf_counter() - started
+    assert done == (rounds - 1) * batch
+    return elapsed / (rounds - 1)
+
+
+def test_report_claim_and_finalize_time_with_a_million_finished_rows(
+    big: psycopg.Connection[Any],
+    conn: psycopg.Connection[Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rounds, batch = 40, 10
+    full = _time_claim_finalize(big, rounds, batch)
+    empty = _time_claim_finalize(conn, rounds, batch)
+    with capsys.disabled():
+        print(
+            f"\n[plans] claim+finalize of {batch} rows: {full * 1000:.2f} ms with "
+            f"{FINISHED_ROWS:,} finished rows vs {empty * 1000:.2f} ms on an empty table "
+            f"(x{full / empty:.2f})"
+        )

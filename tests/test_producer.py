@@ -1,0 +1,468 @@
+"""enqueue / enqueue_many: the producer side, inside the caller's transaction."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import outbox_relay
+from outbox_relay import (
+    InvalidMessage,
+    NewMessage,
+    OperationKeyConflict,
+    OutboxTable,
+    enqueue,
+    enqueue_many,
+    store,
+)
+
+LEASE = timedelta(seconds=30)
+
+
+def db_now(conn: psycopg.Connection[Any]) -> datetime:
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def count(conn: psycopg.Connection[Any], table: str = "outbox") -> int:
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def rows(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        "SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key,"
+        " status FROM outbox ORDER BY id"
+    ).fetchall()
+
+
+def order_created(conn: psycopg.Connection[Any], **kw: Any) -> int:
+    fields: dict[str, Any] = {
+        "aggregate_type": "order",
+        "aggregate_id": "42",
+        "event_type": "order.created",
+        "payload": {"total": 10},
+    }
+    fields.update(kw)
+    return enqueue(conn, **fields)
+
+
+def backend_waits_on(monitor: psycopg.Connection[Any], pid: int, lock: str) -> bool:
+    """Whether backend ``pid`` is blocked on a heavyweight lock of type ``lock``."""
+    row = monitor.execute(
+        "SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
+    ).fetchone()
+    return row == ("Lock", lock)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.01)  # polling another backend's state: nothing to wait on
+
+
+# ---------------------------------------------------------------- transactions
+def test_enqueue_rolled_back_with_the_callers_transaction_leaves_no_row(dsn: str) -> None:
+    with psycopg.connect(dsn) as producer, psycopg.connect(dsn, autocommit=True) as observer:
+        producer.execute("CREATE TABLE orders (id int PRIMARY KEY)")
+        producer.commit()
+        producer.execute("INSERT INTO orders VALUES (1)")
+        message_id = order_created(producer)
+        assert message_id > 0
+        # Not visible to anyone before the business transaction commits.
+        assert count(observer) == 0
+        producer.rollback()
+        assert count(observer) == 0
+        assert observer.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+
+
+def test_enqueue_as_the_first_statement_still_joins_the_callers_transaction(dsn: str) -> None:
+    # The natural order "record the event, then write the order" on a fresh
+    # (idle, non-autocommit) connection: enqueue must not commit by itself.
+    with psycopg.connect(dsn) as producer, psycopg.connect(dsn, autocommit=True) as observer:
+        producer.execute("CREATE TABLE orders (id int PRIMARY KEY)")
+        producer.commit()
+        assert producer.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        order_created(producer)
+        assert producer.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        producer.execute("INSERT INTO orders VALUES (1)")
+        assert count(observer) == 0
+        producer.rollback()
+        assert count(observer) == 0
+
+        enqueue_many(producer, [NewMessage("order", "1", "order.created", {})])
+        producer.execute("INSERT INTO orders VALUES (1)")
+        producer.commit()
+        assert count(observer) == 1
+
+
+def test_enqueue_committed_with_the_callers_transaction_is_pending(dsn: str) -> None:
+    with psycopg.connect(dsn) as producer, psycopg.connect(dsn, autocommit=True) as observer:
+        producer.execute("CREATE TABLE orders (id int PRIMARY KEY)")
+        producer.commit()
+        with producer.transaction():
+            producer.execute("INSERT INTO orders VALUES (1)")
+            message_id = order_created(producer, headers={"trace": "abc"})
+            assert count(observer) == 0
+        row = store.get_row(observer, message_id)
+        assert row is not None
+        assert row["status"] == "pending"
+        assert row["attempts"] == 0
+        assert row["lease_version"] == 0
+        assert row["lease_until"] is None
+        assert row["payload"] == {"total": 10}
+        assert row["headers"] == {"trace": "abc"}
+        assert row["aggregate_id"] == "42"
+        assert row["available_at"] == row["created_at"]
+        assert observer.execute("SELECT count(*) FROM orders").fetchone() == (1,)
+
+
+def test_enqueue_many_returns_ids_in_order_and_integer_aggregate_ids_become_text(
+    conn: psycopg.Connection[Any],
+) -> None:
+    ids = enqueue_many(
+        conn,
+        [
+            NewMessage("order", 7, "order.created", {"n": 0}),
+            NewMessage("order", "7", "order.paid", [1, 2, 3]),
+            NewMessage("user", "u1", "user.created", "text payload"),
+        ],
+    )
+    assert ids == sorted(ids) and len(set(ids)) == 3
+    assert [(r[2], r[4]) for r in rows(conn)] == [
+        ("7", {"n": 0}),
+        ("7", [1, 2, 3]),
+        ("u1", "text payload"),
+    ]
+    assert enqueue_many(conn, []) == []
+
+
+# ---------------------------------------------------------------- operation keys
+def test_operation_key_with_same_content_returns_the_existing_id(
+    conn: psycopg.Connection[Any],
+) -> None:
+    first = order_created(conn, operation_key="refund:42", payload={"a": 1, "b": [1, 2]})
+    # Same meaning, JSON keys in another order: the same operation.
+    again = order_created(conn, operation_key="refund:42", payload={"b": [1, 2], "a": 1})
+    assert again == first
+    # Inside a batch too, next to a new message.
+    ids = enqueue_many(
+        conn,
+        [
+            NewMessage("order", "42", "order.created", {"a": 1, "b": [1, 2]}, "refund:42"),
+            NewMessage("order", "42", "order.created", {"x": 1}, "refund:43"),
+        ],
+    )
+    assert ids[0] == first and ids[1] != first
+    assert count(conn) == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"payload": {"total": 11}},
+        {"event_type": "order.cancelled"},
+        {"aggregate_id": "43"},
+        {"aggregate_type": "invoice"},
+        {"headers": {"h": "1"}},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_operation_key_with_different_content_raises_and_writes_nothing(
+    conn: psycopg.Connection[Any], change: dict[str, Any]
+) -> None:
+    first = order_created(conn, operation_key="op-7")
+    before = rows(conn)
+    with pytest.raises(OperationKeyConflict, match="op-7") as info:
+        order_created(conn, operation_key="op-7", **change)
+    assert info.value.operation_key == "op-7"
+    assert info.value.existing_id == first
+    assert str(first) in str(info.value)
+    assert rows(conn) == before
+
+
+def test_operation_key_conflict_in_a_batch_rolls_back_the_whole_batch_only(dsn: str) -> None:
+    with psycopg.connect(dsn) as producer:
+        order_created(producer, operation_key="op-1")
+        producer.commit()
+        before = rows(producer)
+        producer.commit()
+        producer.execute("SELECT 1")  # the caller's transaction is open
+        kept = order_created(producer, aggregate_id="kept")
+        with pytest.raises(OperationKeyConflict, match="op-1"):
+            enqueue_many(
+                producer,
+                [
+                    NewMessage("order", "1", "order.created", {"new": True}),
+                    NewMessage("order", "42", "order.created", {"total": 99}, "op-1"),
+                ],
+            )
+        # The caller's transaction survives the error (a savepoint was rolled
+        # back), keeps its own earlier message and can commit.
+        producer.commit()
+        after = rows(producer)
+    assert [r[0] for r in after] == [*(r[0] for r in before), kept]
+    assert after[:-1] == before
+
+
+def test_concurrent_producers_of_one_operation_key_get_one_row(dsn: str) -> None:
+    with (
+        psycopg.connect(dsn) as first,
+        psycopg.connect(dsn) as second,
+        psycopg.connect(dsn, autocommit=True) as monitor,
+    ):
+        first.execute("SELECT 1")
+        first_id = order_created(first, operation_key="op-race")
+        second_pid = second.info.backend_pid
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(order_created(second, operation_key="op-race"))
+                second.commit()
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        # The second insert waits on the unique index until the first commits...
+        wait_until(
+            lambda: backend_waits_on(monitor, second_pid, "transactionid"),
+            "the second producer waits on the first one's key",
+        )
+        first.commit()
+        thread.join(timeout=10)
+        # ...then finds the same operation and returns its id.
+        assert outcome == [first_id]
+        assert count(monitor) == 1
+
+
+# ---------------------------------------------------------------- bad messages
+NOT_JSON = [
+    pytest.param({"tags": {1, 2}}, id="set"),
+    pytest.param(object(), id="object"),
+    pytest.param({"x": float("nan")}, id="nan"),
+    pytest.param([float("inf")], id="inf"),
+    pytest.param({"when": datetime(2026, 1, 1)}, id="datetime"),
+    pytest.param(b"bytes", id="bytes"),
+]
+
+
+@pytest.mark.parametrize("payload", NOT_JSON)
+def test_non_json_payload_raises_invalid_message_and_writes_nothing(
+    conn: psycopg.Connection[Any], payload: Any
+) -> None:
+    with pytest.raises(InvalidMessage, match="payload"):
+        order_created(conn, payload=payload)
+    assert count(conn) == 0
+
+
+@pytest.mark.parametrize("payload", NOT_JSON)
+def test_one_bad_message_in_enqueue_many_writes_none(
+    conn: psycopg.Connection[Any], payload: Any
+) -> None:
+    good = NewMessage("order", "1", "order.created", {"ok": True})
+    with pytest.raises(InvalidMessage):
+        enqueue_many(conn, [good, good, NewMessage("order", "1", "x", payload), good])
+    assert count(conn) == 0
+
+
+def test_oversize_payload_raises_and_writes_nothing(conn: psycopg.Connection[Any]) -> None:
+    # The limit counts UTF-8 bytes of the compact JSON text.
+    fits = {"s": "x" * 92}  # {"s":"xx..."} is 100 bytes
+    too_big = {"s": "é" * 47}  # 2 bytes per character: 102 bytes
+    assert order_created(conn, payload=fits, max_payload_bytes=100) > 0
+    with pytest.raises(InvalidMessage, match="100") as info:
+        order_created(conn, payload=too_big, max_payload_bytes=100)
+    assert "102 bytes" in str(info.value)
+    assert count(conn) == 1
+    with pytest.raises(InvalidMessage):
+        enqueue_many(
+            conn,
+            [
+                NewMessage("order", "1", "order.created", {"ok": 1}),
+                NewMessage("order", "1", "order.created", too_big),
+            ],
+            max_payload_bytes=100,
+        )
+    assert count(conn) == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"aggregate_type": ""},
+        {"aggregate_id": None},
+        {"aggregate_id": True},
+        {"event_type": 5.0},
+        {"headers": {"h": {1}}},
+        {"headers": {1: "x"}},
+        {"operation_key": ""},
+        {"delay": -1},
+        {"delay": float("nan")},
+        {"delay": "soon"},
+    ],
+    ids=repr,
+)
+def test_invalid_fields_raise_invalid_message_and_write_nothing(
+    dsn: str, bad: dict[str, Any]
+) -> None:
+    with psycopg.connect(dsn) as producer:
+        producer.execute("SELECT 1")  # inside the caller's transaction
+        kept = order_created(producer)
+        with pytest.raises(InvalidMessage):
+            order_created(producer, **bad)
+        producer.commit()
+        assert [r[0] for r in rows(producer)] == [kept]
+
+
+# ---------------------------------------------------------------- delay
+@pytest.mark.parametrize("delay", [timedelta(seconds=60), 60, 60.0])
+def test_delay_keeps_the_row_unclaimable_until_it_passes(
+    conn: psycopg.Connection[Any], delay: Any
+) -> None:
+    message_id = order_created(conn, delay=delay)
+    row = store.get_row(conn, message_id)
+    assert row is not None
+    due = row["available_at"]
+    assert due == row["created_at"] + timedelta(seconds=60)
+    early = due - timedelta(microseconds=1)
+    assert store.claim(conn, owner="w", batch=10, lease=LEASE, now=early) == []
+    assert store.claim(conn, owner="w", batch=10, lease=LEASE, now=due - LEASE) == []
+    [claimed] = store.claim(conn, owner="w", batch=10, lease=LEASE, now=due)
+    assert claimed.id == message_id
+
+
+def test_delay_with_explicit_now(conn: psycopg.Connection[Any]) -> None:
+    t0 = db_now(conn) + timedelta(days=3)
+    message_id = order_created(conn, delay=timedelta(minutes=5), now=t0)
+    assert store.claim(conn, owner="w", batch=1, lease=LEASE, now=t0) == []
+    [claimed] = store.claim(conn, owner="w", batch=1, lease=LEASE, now=t0 + timedelta(minutes=5))
+    assert claimed.id == message_id
+
+
+# ---------------------------------------------------------------- notify
+def listen(conn: psycopg.Connection[Any], channel: str) -> None:
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+
+def test_notify_arrives_on_the_tables_channel_only_after_commit(dsn: str) -> None:
+    channel = OutboxTable().channel
+    with (
+        psycopg.connect(dsn, autocommit=True) as listener,
+        psycopg.connect(dsn) as producer,
+    ):
+        listen(listener, channel)
+        producer.execute("SELECT 1")
+        order_created(producer)
+        order_created(producer, aggregate_id="43")
+        assert list(listener.notifies(timeout=0.3, stop_after=1)) == []
+        producer.commit()
+        got = list(listener.notifies(timeout=10, stop_after=1))
+        assert [n.channel for n in got] == [channel]
+        assert got[0].pid == producer.info.backend_pid
+
+        # A rolled-back enqueue announces nothing.
+        order_created(producer, aggregate_id="44")
+        producer.rollback()
+        assert list(listener.notifies(timeout=0.3, stop_after=1)) == []
+
+        # notify=False stays silent even when committed.
+        order_created(producer, aggregate_id="45", notify=False)
+        producer.commit()
+        assert list(listener.notifies(timeout=0.3, stop_after=1)) == []
+
+
+def test_notify_channel_belongs_to_the_table(dsn: str) -> None:
+    other = OutboxTable.parse("app.events")
+    assert other.channel != OutboxTable().channel
+    with (
+        psycopg.connect(dsn, autocommit=True) as listener,
+        psycopg.connect(dsn, autocommit=True) as producer,
+    ):
+        outbox_relay.migrate(producer, table=other)
+        listen(listener, OutboxTable().channel)
+        order_created(producer, table=other)
+        assert list(listener.notifies(timeout=0.3, stop_after=1)) == []
+        order_created(producer)
+        assert [n.channel for n in listener.notifies(timeout=10, stop_after=1)] == [
+            OutboxTable().channel
+        ]
+
+
+# ---------------------------------------------------------------- ordered producers
+def test_ordered_producers_of_one_aggregate_serialize_until_commit(dsn: str) -> None:
+    with (
+        psycopg.connect(dsn) as first,
+        psycopg.connect(dsn) as second,
+        psycopg.connect(dsn, autocommit=True) as monitor,
+    ):
+        first.execute("SELECT 1")
+        first_id = order_created(first, event_type="order.paid", ordered=True)
+        second_pid = second.info.backend_pid
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(order_created(second, event_type="order.shipped", ordered=True))
+                second.commit()
+            except BaseException as exc:
+                result.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_until(
+            lambda: backend_waits_on(monitor, second_pid, "advisory"),
+            "the second producer waits for the first",
+        )
+        assert thread.is_alive() and result == []
+
+        # Other aggregates, and unordered messages of the same aggregate, do not wait.
+        monitor.execute("SET lock_timeout = '5s'")
+        other = order_created(monitor, aggregate_id="other", ordered=True)
+        unordered = order_created(monitor, ordered=False)
+
+        first.commit()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        [second_id] = result
+        # Commit order equals id order within the ordered aggregate.
+        assert first_id < second_id
+        assert other < second_id and unordered < second_id
+        assert count(monitor) == 4
+
+
+def test_ordered_event_types_from_settings_take_the_lock(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # OUTBOX_ORDERED_EVENT_TYPES decides when ordered= is not given.
+    from outbox_relay import producer as producer_module
+
+    monkeypatch.setenv("OUTBOX_ORDERED_EVENT_TYPES", "order.paid")
+    producer_module._env_settings.cache_clear()
+    try:
+        with (
+            psycopg.connect(dsn) as first,
+            psycopg.connect(dsn, autocommit=True) as second,
+        ):
+            first.execute("SELECT 1")
+            order_created(first, event_type="order.paid")
+            second.execute("SET lock_timeout = '200ms'")
+            # An unordered type passes; an ordered one of the same aggregate waits.
+            order_created(second, event_type="order.note")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                order_created(second, event_type="order.paid")
+            first.rollback()
+    finally:
+        producer_module._env_settings.cache_clear()

@@ -1,0 +1,375 @@
+"""A stateful property test: random interleavings of workers against one outbox.
+
+Hypothesis drives several simulated workers through enqueue, claim, publish
+and finalize (done / retryable / defer / permanent), crashes, lease renewals,
+stale writes from workers whose lease was taken over, and a clock that jumps
+forward. Time is the machine's own ``now``, passed to every store call.
+
+After every step the database must satisfy the outbox's invariants:
+
+* no two workers both hold a valid lease on one row (at most one worker has
+  an unexpired lease on it, and only one worker ever holds its current
+  ``lease_version``), and the row agrees with that worker;
+* a stale finalize or renewal changes no row at all;
+* ``attempts`` never exceeds ``max_attempts``; ``lease_version`` counts every
+  claim, so it is never below ``attempts``;
+* ``status = 'processing'`` exactly when ``lease_until`` is set;
+* with ordered claims, an aggregate's rows after its first unfinished one
+  were never claimed.
+
+At teardown, once failures stop (publishing always succeeds, time jumps far
+ahead), draining with claims leaves every row ``done`` or ``dead`` (or, with
+ordered claims, pending behind a dead head of its aggregate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import psycopg
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from outbox_relay import (
+    Claimed,
+    Defer,
+    NewMessage,
+    PermanentError,
+    RetryableError,
+    RetryPolicy,
+    classify,
+    enqueue_many,
+    store,
+)
+
+WORKERS = ("w0", "w1", "w2")
+LEASE_SECONDS = 30
+LEASE = timedelta(seconds=LEASE_SECONDS)
+MAX_ATTEMPTS = 3
+POLICY = RetryPolicy(
+    max_attempts=MAX_ATTEMPTS,
+    backoff_base=1.0,
+    backoff_cap=20.0,
+    max_defer=timedelta(hours=1),
+)
+DEFER = timedelta(seconds=15)
+OUTCOMES = ("done", "retryable", "defer", "permanent")
+COLUMNS = (
+    "id, aggregate_type, aggregate_id, event_type, status, available_at, attempts,"
+    " lease_owner, lease_until, lease_version, last_error, done_at"
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    id: int
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    status: str
+    available_at: datetime
+    attempts: int
+    lease_owner: str | None
+    lease_until: datetime | None
+    lease_version: int
+    last_error: str | None
+    done_at: datetime | None
+
+
+@dataclass
+class Held:
+    """What a worker believes about one lease it was given."""
+
+    claimed: Claimed
+    lease_until: datetime
+
+
+def failure(kind: str) -> BaseException | None:
+    return {
+        "done": None,
+        "retryable": RetryableError("503"),
+        "defer": Defer(DEFER, "not yet"),
+        "permanent": PermanentError("422"),
+    }[kind]
+
+
+def test_outbox_state_machine(dsn: str) -> None:
+    conn = psycopg.connect(dsn, autocommit=True)
+
+    def table() -> dict[int, Row]:
+        rows = conn.execute(f"SELECT {COLUMNS} FROM outbox ORDER BY id").fetchall()
+        return {r[0]: Row(*r) for r in rows}
+
+    class OutboxMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            conn.execute("TRUNCATE outbox RESTART IDENTITY")
+            row = conn.execute("SELECT now()").fetchone()
+            assert row is not None
+            self.now: datetime = row[0]
+            self.held: dict[str, dict[tuple[int, int], Held]] = {w: {} for w in WORKERS}
+            self.enqueued = 0
+            self.ordered = False
+
+        # ------------------------------------------------------------ helpers
+        def claim(self, worker: str, batch: int) -> list[Claimed]:
+            return store.claim(
+                conn,
+                owner=worker,
+                batch=batch,
+                lease=LEASE,
+                max_attempts=MAX_ATTEMPTS,
+                ordered=self.ordered,
+                now=self.now,
+            )
+
+        def holding(self) -> list[tuple[str, tuple[int, int]]]:
+            return [(w, key) for w in WORKERS for key in sorted(self.held[w])]
+
+        def pick(self, index: int) -> tuple[str, tuple[int, int], Held]:
+            entries = self.holding()
+            worker, key = entries[index % len(entries)]
+            return worker, key, self.held[worker][key]
+
+        def stale_entries(self) -> list[tuple[str, tuple[int, int]]]:
+            rows = table()
+            return [
+                (worker, key)
+                for worker in WORKERS
+                for key in sorted(self.held[worker])
+                if rows[key[0]].lease_version != key[1]
+            ]
+
+        # ------------------------------------------------------------ rules
+        @initialize(ordered=st.booleans())
+        def choose_claim_mode(self, ordered: bool) -> None:
+            self.ordered = ordered
+
+        @rule(
+            aggregates=st.lists(st.sampled_from("ABC"), min_size=1, max_size=4),
+            delay=st.sampled_from([0, 0, 0, 5, 60]),
+        )
+        def enqueue(self, aggregates: list[str], delay: int) -> None:
+            enqueue_many(
+                conn,
+                [NewMessage("order", a, "order.event", {"a": a}, delay=delay) for a in aggregates],
+                now=self.now,
+            )
+            self.enqueued += len(aggregates)
+
+        @rule(
+            worker=st.sampled_from(WORKERS),
+            batch=st.integers(1, 4),
+            elapsed=st.integers(0, LEASE_SECONDS + 1),
+        )
+        def claim_batch(self, worker: str, batch: int, elapsed: int = 0) -> None:
+            # Workers claim at their own pace: some seconds after the last step.
+            self.now += timedelta(seconds=elapsed)
+            valid = {
+                key[0]
+                for entries in self.held.values()
+                for key, held in entries.items()
+                if held.lease_until >= self.now
+            }
+            before = table()
+            got = self.claim(worker, batch)
+            assert len(got) <= batch
+            assert [m.id for m in got] == sorted(m.id for m in got)
+            for m in got:
+                # Never a row someone still holds an unexpired lease on.
+                assert m.id not in valid, f"claimed {m.id} while its lease was valid"
+                assert m.lease_version == before[m.id].lease_version + 1
+                assert m.lease_until == self.now + LEASE
+                self.held[worker][(m.id, m.lease_version)] = Held(m, self.now + LEASE)
+
+        @precondition(lambda self: bool(self.holding()))
+        @rule(worker=st.sampled_from(WORKERS), batch=st.integers(1, 4))
+        def take_over_after_expiry(self, worker: str, batch: int) -> None:
+            # The common road to a stale worker: leases run out (the holder
+            # stalled), and another worker claims the rows.
+            self.now += LEASE + timedelta(seconds=1)
+            self.claim_batch(worker, batch)
+
+        @precondition(lambda self: bool(self.holding()))
+        @rule(index=st.integers(0, 50), kind=st.sampled_from(OUTCOMES))
+        def publish_and_finalize(self, index: int, kind: str) -> None:
+            worker, key, held = self.pick(index)
+            del self.held[worker][key]
+            before = table()
+            current = before[key[0]]
+            mine = current.lease_version == key[1] and current.status == "processing"
+            outcome = classify(failure(kind), held.claimed, POLICY)
+            changed = store.finalize(conn, [outcome], now=self.now)
+            after = table()
+            if not mine:
+                assert changed == set()
+                assert after == before, "a stale finalize changed the table"
+                return
+            assert changed == {key[0]}
+            row = after[key[0]]
+            assert (row.lease_until, row.lease_owner) == (None, None)
+            assert row.lease_version == current.lease_version
+            assert {i: r for i, r in after.items() if i != key[0]} == {
+                i: r for i, r in before.items() if i != key[0]
+            }
+            if kind == "done":
+                assert (row.status, row.done_at) == ("done", self.now)
+            elif kind == "permanent" or (kind == "retryable" and current.attempts >= MAX_ATTEMPTS):
+                assert row.status == "dead" and row.last_error
+                assert row.attempts == current.attempts
+            elif kind == "retryable":
+                ceiling = timedelta(seconds=min(20.0, 2.0**current.attempts))
+                assert row.status == "pending"
+                assert self.now <= row.available_at <= self.now + ceiling
+                assert row.attempts == current.attempts
+            else:
+                assert row.status == "pending"
+                assert row.available_at == self.now + DEFER
+                assert row.attempts == current.attempts - 1
+
+        @precondition(lambda self: bool(self.stale_entries()))
+        @rule(index=st.integers(0, 50), kind=st.sampled_from((*OUTCOMES, "renew")))
+        def stale_write(self, index: int, kind: str) -> None:
+            entries = self.stale_entries()
+            worker, key = entries[index % len(entries)]
+            held = self.held[worker].pop(key)
+            before = table()
+            if kind == "renew":
+                assert store.extend_lease(conn, held.claimed, lease=LEASE, now=self.now) is False
+            else:
+                outcome = classify(failure(kind), held.claimed, POLICY)
+                assert store.finalize(conn, [outcome], now=self.now) == set()
+            assert table() == before, "a stale write changed the table"
+
+        @precondition(lambda self: bool(self.holding()))
+        @rule(index=st.integers(0, 50))
+        def renew(self, index: int) -> None:
+            worker, key, held = self.pick(index)
+            before = table()
+            current = before[key[0]]
+            mine = current.lease_version == key[1] and current.status == "processing"
+            kept = store.extend_lease(conn, held.claimed, lease=LEASE, now=self.now)
+            after = table()
+            assert kept is mine
+            if mine:
+                held.lease_until = self.now + LEASE
+                assert after[key[0]].lease_until == self.now + LEASE
+            else:
+                del self.held[worker][key]
+                assert after == before, "a stale renewal changed the table"
+
+        @precondition(lambda self: bool(self.holding()))
+        @rule(worker=st.sampled_from(WORKERS))
+        def crash(self, worker: str) -> None:
+            # The worker dies: it forgets its leases; its rows stay processing.
+            self.held[worker].clear()
+
+        @rule(
+            seconds=st.one_of(
+                st.sampled_from([1, LEASE_SECONDS - 1, LEASE_SECONDS, LEASE_SECONDS + 1]),
+                st.integers(1, 4 * LEASE_SECONDS),
+            )
+        )
+        def advance_time(self, seconds: int) -> None:
+            self.now += timedelta(seconds=seconds)
+
+        # ------------------------------------------------------------ invariants
+        @invariant()
+        def database_agrees_with_the_workers(self) -> None:
+            rows = table()
+            assert sorted(rows) == list(range(1, self.enqueued + 1))
+            unexpired: dict[int, list[str]] = {}
+            current: dict[int, list[str]] = {}
+            for worker, entries in self.held.items():
+                for (message_id, version), held in entries.items():
+                    row = rows[message_id]
+                    if held.lease_until >= self.now:
+                        unexpired.setdefault(message_id, []).append(worker)
+                        # A lease the worker may rely on is the row's lease.
+                        assert row.status == "processing"
+                        assert row.lease_version == version
+                        assert row.lease_until == held.lease_until
+                        assert row.lease_owner == worker
+                    if row.status == "processing" and row.lease_version == version:
+                        current.setdefault(message_id, []).append(worker)
+            assert all(len(ws) == 1 for ws in unexpired.values()), unexpired
+            assert all(len(ws) == 1 for ws in current.values()), current
+
+        @invariant()
+        def rows_are_well_formed(self) -> None:
+            for row in table().values():
+                assert 0 <= row.attempts <= MAX_ATTEMPTS, row
+                assert row.lease_version >= row.attempts, row
+                assert (row.status == "processing") == (row.lease_until is not None), row
+                assert (row.status == "processing") == (row.lease_owner is not None), row
+                assert (row.status == "done") == (row.done_at is not None), row
+                if row.status == "dead":
+                    assert row.last_error, row
+
+        @invariant()
+        def ordered_aggregates_were_claimed_in_order(self) -> None:
+            if not self.ordered:
+                return
+            by_aggregate: dict[tuple[str, str], list[Row]] = {}
+            for row in table().values():
+                by_aggregate.setdefault((row.aggregate_type, row.aggregate_id), []).append(row)
+            for rows in by_aggregate.values():
+                unfinished = [r for r in rows if r.status != "done"]
+                if not unfinished:
+                    continue
+                head = unfinished[0]
+                for later in rows:
+                    if later.id > head.id:
+                        assert (later.status, later.lease_version) == ("pending", 0), (
+                            head,
+                            later,
+                        )
+
+        # ------------------------------------------------------------ teardown
+        def teardown(self) -> None:
+            # Failures stop: every publish succeeds from now on, and time jumps
+            # past every lease, backoff and defer.
+            self.now += timedelta(days=1)
+            for _ in range(self.enqueued + 2):
+                claimed = self.claim("drain", 50)
+                if not claimed:
+                    break
+                done = store.finalize(conn, [store.Outcome.done(m) for m in claimed], now=self.now)
+                assert done == {m.id for m in claimed}
+            assert self.claim("drain", 50) == []
+            rows = table()
+            dead_heads = {
+                (r.aggregate_type, r.aggregate_id): r.id
+                for r in sorted(rows.values(), key=lambda r: -r.id)
+                if r.status == "dead"
+            }
+            for row in rows.values():
+                if row.status in ("done", "dead"):
+                    continue
+                # Only an ordered aggregate stopped behind its dead head waits.
+                assert self.ordered, row
+                assert row.status == "pending", row
+                head = dead_heads.get((row.aggregate_type, row.aggregate_id))
+                assert head is not None and head < row.id, row
+
+    try:
+        run_state_machine_as_test(
+            OutboxMachine,
+            settings=settings(
+                max_examples=60,
+                stateful_step_count=50,
+                deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture],
+            ),
+        )
+    finally:
+        conn.close()
