@@ -298,7 +298,7 @@ def latency(admin: str, broker: str, *, listen: bool, messages: int, interval: f
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
         runner = CeleryProcs(env, folder)
         try:
-            runner.worker(concurrency=2, events=False, args=("-l", "warning"))
+            runner.worker(concurrency=2, events=False, args=("-l", "info"))
             runner.beat()
             time.sleep(2.0)  # let the relay go idle
             with psycopg.connect(dsn) as conn:

@@ -410,7 +410,8 @@ def dispatch_once(
 
     Messages are published one by one; each is finalized as soon as it is
     published, so a crash mid-batch repeats as little as possible. Returns the
-    number of messages claimed (0 means the queue had nothing due).
+    number of messages claimed (0 means the queue had nothing due). When
+    ``policy`` is given, its ``max_attempts`` wins over ``max_attempts``.
     """
     policy = policy or RetryPolicy(max_attempts=max_attempts)
     started = time.monotonic()

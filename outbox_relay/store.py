@@ -188,6 +188,11 @@ def load_leased(
     if not refs:
         return {}
     q = _queries(table)
+    if len(refs) == 1:
+        one = {"id": refs[0].id, "version": refs[0].lease_version, "now": now}
+        with _tx(conn):
+            rows = conn.execute(q.load_leased_one, one).fetchall()
+        return {row[0]: Leased(Claimed(*row[:11]), row[11], row[12]) for row in rows}
     params = {
         "ids": [r.id for r in refs],
         "versions": [r.lease_version for r in refs],
@@ -240,6 +245,20 @@ def finalize(
     if not outcomes:
         return set()
     q = _queries(table)
+    if len(outcomes) == 1:
+        o = outcomes[0]
+        one = {
+            "id": o.id,
+            "version": o.lease_version,
+            "status": o.status,
+            "delay": max(o.delay, timedelta(0)),
+            "refund": 1 if o.refund_attempt else 0,
+            "error": _clip(o.error),
+            "now": now,
+        }
+        with _tx(conn):
+            rows = conn.execute(q.finalize_one, one).fetchall()
+        return {r[0] for r in rows}
     params = {
         "ids": [o.id for o in outcomes],
         "versions": [o.lease_version for o in outcomes],

@@ -367,6 +367,39 @@ def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_fact
 
 
 # --------------------------------------------------------------------------- helpers
+class EventTap:
+    """Collects the Celery events that workers started with -E send (what Flower reads)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.app.connection() as conn:
+            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
+                self._ready.set()
+                while not self._stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        connection.drain_events(timeout=0.5)
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in list(self.events) if e.get("type") == kind]
+
+    def __enter__(self) -> EventTap:
+        self._thread.start()
+        self._ready.wait(10)
+        time.sleep(0.3)  # the subscription is in place before anything is sent
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def _client_app(broker: str) -> Any:
     from celery import Celery
 
@@ -380,3 +413,63 @@ def _row(dsn: str, message_id: int) -> dict[str, Any]:
         row = outbox_relay.store.get_row(conn, message_id)
     assert row is not None
     return row
+
+
+def test_metrics_scrape_during_a_real_run(recorded_dsn, redis_broker, procs_factory, tmp_path):
+    """Prefork workers write counters to PROMETHEUS_MULTIPROC_DIR; the exporter
+    process aggregates them and reads the queue gauges from the database."""
+    import subprocess
+    import sys
+
+    from .test_metrics import fetch, parse, value
+
+    folder = tmp_path / "prometheus"
+    folder.mkdir()
+    procs = procs_factory(recorded_dsn, redis_broker, max_attempts=2)
+    procs.env["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    procs.worker(concurrency=2)
+    procs.beat()
+    enqueue_orders(recorded_dsn, 30)
+    with psycopg.connect(recorded_dsn) as conn, conn.transaction():
+        outbox_relay.enqueue(
+            conn,
+            aggregate_type="o",
+            aggregate_id="x",
+            event_type="order.created",
+            payload={"fail": "permanent"},
+        )
+    wait_for(lambda: all_done(recorded_dsn, 31), timeout=60, what="all finished")
+    exporter = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "outbox-relay"),
+            "metrics",
+            "--port",
+            "0",
+            "--addr",
+            "127.0.0.1",
+            "--dsn",
+            recorded_dsn,
+        ],
+        env={**procs.env, "PROMETHEUS_MULTIPROC_DIR": str(folder)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert exporter.stdout is not None
+        first = exporter.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/metrics", first)
+        assert found, first
+        samples = parse(fetch(int(found.group(1))))
+    finally:
+        exporter.terminate()
+        exporter.wait(10)
+    published = "outbox_published_total"
+    assert value(samples, published, event_type="order.created", outcome="done") == 30
+    assert value(samples, published, event_type="order.created", outcome="dead") == 1
+    assert value(samples, "outbox_lost_leases_total") == 0
+    assert value(samples, "outbox_delivery_latency_seconds_count") == 30
+    assert value(samples, "outbox_messages", status="done") == 30
+    assert value(samples, "outbox_messages", status="dead") == 1
+    assert value(samples, "outbox_messages", status="pending") == 0
+    assert value(samples, "outbox_expired_leases") == 0

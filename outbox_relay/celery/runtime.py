@@ -101,14 +101,15 @@ def _translate_celery_retry(publisher: Publisher) -> Publisher:
 class TaskEvents:
     """Relay observer that emits Celery task events (shown in Flower) and logs.
 
-    Custom event types: ``task-outbox-lost-lease`` and ``task-outbox-stale``.
+    Custom event types: ``task-outbox-lost-lease`` and ``task-outbox-stale``,
+    sent on behalf of the delivery task running in this thread (workers
+    started with ``-E``).
     """
 
-    def __init__(self) -> None:
-        self.task: Any = None
-
     def _send(self, kind: str, **fields: Any) -> None:
-        task = self.task
+        from celery import current_task
+
+        task = current_task
         if task is None or not getattr(task.request, "id", None):
             return
         try:
@@ -273,7 +274,7 @@ class RelayRuntime:
         try:
             with psycopg.connect(self.settings.require_dsn(), connect_timeout=10) as conn:
                 row = conn.execute(
-                    queries_for(table).table_exists, {"qualified": table.qualified}
+                    queries_for(table).table_exists, {"schema": table.schema, "name": table.name}
                 ).fetchone()
         except psycopg.Error as exc:
             raise ConfigError(f"cannot connect to OUTBOX_DSN: {exc}") from exc

@@ -35,6 +35,9 @@ CLAIM = "outbox_relay.claim"
 DELIVER = "outbox_relay.deliver"
 DELIVER_BATCH = "outbox_relay.deliver_batch"
 PURGE = "outbox_relay.purge"
+# Consecutive claim rounds that may find the in-flight cap reached before a
+# drain stops and leaves the rest to beat.
+MAX_HELD_BACK_ROUNDS = 5
 
 
 def _argsrepr(refs: Sequence[LeaseRef]) -> str:
@@ -63,9 +66,13 @@ def register_tasks(app: Any, rt: RelayRuntime) -> dict[str, Any]:
         return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
     @app.task(name=CLAIM, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
-    def claim(self: Any) -> dict[str, int]:
-        """Claim due rows and fan them out; keep draining while batches come back full."""
-        return _claim_and_fan_out(app, rt, claim, deliver, deliver_batch)
+    def claim(self: Any, held_back: int = 0) -> dict[str, int]:
+        """Claim due rows and fan them out; keep draining while batches come back full.
+
+        ``held_back`` counts the rounds in a row this drain found the
+        in-flight cap reached (see ``_claim_and_fan_out``).
+        """
+        return _claim_and_fan_out(rt, claim, deliver, deliver_batch, int(held_back))
 
     @app.task(name=PURGE, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
     def purge() -> dict[str, int]:
@@ -135,10 +142,24 @@ def _batched(producer: Any) -> AbstractContextManager[Any]:
     return batch() if batch is not None else nullcontext()
 
 
-def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_batch: Any) -> None:
+def _fan_out(
+    rt: RelayRuntime,
+    claimed: list[Claimed],
+    deliver: Any,
+    deliver_batch: Any,
+    follow_up: Any = None,
+) -> None:
+    """Send the delivery tasks; ``follow_up`` (a claim) goes in halfway through.
+
+    A drain's next claim sits in the queue behind half of this round's
+    deliveries: it runs while the other half is still queued, so the workers
+    never wait on an empty queue between rounds, and the broker holds about
+    one round at a time (self-pacing, whatever the workers' speed).
+    """
     s = rt.settings
     size = s.chunk_size
     chunks = [claimed[i : i + size] for i in range(0, len(claimed), size)]
+    halfway = len(chunks) // 2
     # Expire before the lease does, leaving room for a whole publish: a task
     # that starts later than that would be turned away by the fence anyway.
     expires = max(1.0, s.lease_seconds - s.publish_timeout_seconds)
@@ -146,7 +167,9 @@ def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_bat
     annotated = task_annotations(rt.app, DELIVER_BATCH if size > 1 else DELIVER)
     try:
         with rt.app.producer_or_acquire() as producer, _batched(producer):
-            for chunk in chunks:
+            for number, chunk in enumerate(chunks):
+                if follow_up is not None and number == halfway:
+                    follow_up(producer)
                 refs = [c.ref for c in chunk]
                 options: dict[str, Any] = {
                     "queue": s.queue,
@@ -174,41 +197,43 @@ def _fan_out(rt: RelayRuntime, claimed: list[Claimed], deliver: Any, deliver_bat
 
 
 def _claim_and_fan_out(
-    app: Any, rt: RelayRuntime, claim: Any, deliver: Any, deliver_batch: Any
+    rt: RelayRuntime, claim: Any, deliver: Any, deliver_batch: Any, held_back: int
 ) -> dict[str, int]:
     s = rt.settings
     table = s.outbox_table
     db = rt.db()
-    lease = rt.lease()
-    max_attempts = rt.policy().max_attempts
-    ordered = s.ordered_event_types
-    owner = rt.owner
     in_flight = db.run(lambda conn: store.in_flight(conn, table=table))
     room = min(s.batch_size, s.max_in_flight - in_flight)
     if room <= 0:
-        # Backpressure: workers are behind. The claims queued behind their
-        # deliveries, or the next beat tick, continue the drain.
+        # Backpressure: workers are behind. Look again after the deliveries
+        # queued meanwhile; after a few rounds with no progress (leases held
+        # by a dead worker, say), stop and leave it to the next beat tick.
+        if held_back < MAX_HELD_BACK_ROUNDS:
+            claim.apply_async((held_back + 1,), queue=s.queue, serializer="json")
         return {"claimed": 0}
+
+    lease = rt.lease()
+    max_attempts = rt.policy().max_attempts
 
     def take(conn: Any) -> list[Claimed]:
         return store.claim(
             conn,
-            owner=owner,
+            owner=rt.owner,
             batch=room,
             lease=lease,
             max_attempts=max_attempts,
-            ordered=ordered,
+            ordered=s.ordered_event_types,
             table=table,
         )
 
     claimed = db.run(take)
-    total = len(claimed)
+
+    def follow_up(producer: Any) -> None:
+        claim.apply_async(queue=s.queue, serializer="json", producer=producer)
+
     if claimed:
-        _fan_out(rt, claimed, deliver, deliver_batch)
-    if total == room:
-        # A full batch: more is probably due. Queue the next claim behind the
-        # deliveries just sent, so the drain paces itself to the workers
-        # (and the broker never holds more than a few batches) instead of
-        # waiting for the next beat tick.
-        claim.apply_async(queue=s.queue, serializer="json")
-    return {"claimed": total}
+        # A full batch means more is probably due: the drain continues with a
+        # claim queued inside this round, instead of waiting for beat.
+        full = len(claimed) == room
+        _fan_out(rt, claimed, deliver, deliver_batch, follow_up if full else None)
+    return {"claimed": len(claimed)}

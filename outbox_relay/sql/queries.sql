@@ -191,6 +191,21 @@ SELECT o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL;
 
+-- name: load_leased_one
+-- load_leased for one message (the per-message deliver task): plain
+-- parameters plan far cheaper than unnest() of one-element arrays.
+SELECT o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
+       o.event_type, o.payload, o.headers, o.operation_key, o.created_at,
+       o.lease_until,
+       extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8
+           AS lease_left_seconds,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8
+           AS age_seconds
+  FROM {table} AS o
+ WHERE o.id = %(id)s
+   AND o.lease_version = %(version)s
+   AND o.lease_until IS NOT NULL;
+
 -- name: finalize
 -- Fenced finalize of many messages in one statement. A row changes only when
 -- it is still held (lease_until IS NOT NULL, which the table's CHECK makes
@@ -215,6 +230,25 @@ UPDATE {table} AS o
        AS v(id, version, status, delay, refund, error)
  WHERE o.id = v.id
    AND o.lease_version = v.version
+   AND o.lease_until IS NOT NULL
+RETURNING o.id;
+
+-- name: finalize_one
+-- finalize for one message, with plain parameters (see load_leased_one).
+-- The same fence: id, lease_version and a live lease.
+UPDATE {table} AS o
+   SET status       = %(status)s,
+       available_at = CASE WHEN %(status)s = 'pending'
+                           THEN coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
+                           ELSE o.available_at END,
+       attempts     = o.attempts - %(refund)s,
+       last_error   = %(error)s,
+       done_at      = CASE WHEN %(status)s = 'done'
+                           THEN coalesce(%(now)s::timestamptz, now()) END,
+       lease_owner  = NULL,
+       lease_until  = NULL
+ WHERE o.id = %(id)s
+   AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
 RETURNING o.id;
 
@@ -257,4 +291,5 @@ SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation
 LISTEN {channel};
 
 -- name: table_exists
-SELECT to_regclass(%(qualified)s) IS NOT NULL;
+-- format('%%I.%%I') quotes both names, so mixed-case names are found as written.
+SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT NULL;
