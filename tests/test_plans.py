@@ -186,6 +186,19 @@ def claim_params(ordered: bool | list[str] = False) -> dict[str, Any]:
     return params
 
 
+def one_params(message_id: int) -> dict[str, Any]:
+    """Parameters of the single-message statements (finalize_one, load_leased_one)."""
+    return {
+        "id": message_id,
+        "version": 1,
+        "status": "done",
+        "delay": timedelta(0),
+        "refund": 0,
+        "error": None,
+        "now": None,
+    }
+
+
 def finalize_params(ids: list[int]) -> dict[str, Any]:
     n = len(ids)
     return {
@@ -254,6 +267,9 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
     assert_probes_primary_key(
         explain(big, Q.load_leased, {"ids": ids, "versions": [1] * batch, "now": None})
     )
+    # The per-message deliver task's own statements.
+    assert_probes_primary_key(explain(big, Q.finalize_one, one_params(ids[0])))
+    assert_probes_primary_key(explain(big, Q.load_leased_one, one_params(ids[0])))
 
 
 def _to_positional(query: str) -> tuple[str, list[str]]:
@@ -340,6 +356,7 @@ def test_finalize_probes_the_primary_key_when_statistics_are_thin(
     for batch in (ids[:1], ids):
         assert_probes_primary_key(explain(conn, Q.finalize, finalize_params(batch)))
         assert_probes_primary_key(explain(conn, Q.extend_lease, fence_params(batch)))
+    assert_probes_primary_key(explain(conn, Q.finalize_one, one_params(ids[0])))
 
     # Control: the same statement fenced on status walks outbox_leased here,
     # so this set-up does reproduce the trap the test guards against.
