@@ -38,6 +38,7 @@ demo: venv
 # benchmarks/results/latest.md. Uses OUTBOX_BENCH_DSN / OUTBOX_BENCH_REDIS_URL
 # when set, else embedded servers. More: make bench BENCH_ARGS="--messages 5000"
 bench: venv
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:

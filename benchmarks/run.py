@@ -15,6 +15,9 @@ server, broker and pool. Scenarios:
   publisher and with one that waits 20 ms.
 * loops: the articles' literal loop and ``dispatch_once``, in ``--loop-procs``
   processes, with the same two publishers.
+* pgqueuer: the pgqueuer job queue draining the same number of pre-queued
+  jobs with 4 consumer processes, a no-op job and one that waits 20 ms
+  (``benchmarks/pgqueuer_bench.py``; needs the ``bench`` extra).
 * latency: commit-to-publish p50/p99 for messages enqueued one by one while
   the relay idles, with LISTEN/NOTIFY and with polling only.
 
@@ -148,14 +151,42 @@ def wait_progress(
     return time.monotonic() - t0
 
 
-def status_counts(dsn: str) -> tuple[int, int]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FILTER (WHERE status <> 'pending'),"
-            " count(*) FILTER (WHERE status = 'done') FROM outbox"
-        ).fetchone()
-    assert row is not None
-    return int(row[0]), int(row[1])
+class Progress:
+    """Cheap progress probes on one open connection.
+
+    Opening a connection per poll would fork a PostgreSQL backend dozens of
+    times a second, stealing CPU from the very thing being measured.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def _one(self, query: str) -> Any:
+        row = self.conn.execute(query).fetchone()
+        assert row is not None
+        return row[0]
+
+    def started(self) -> bool:
+        # Walks the leased index only; done rows are found through ix_done.
+        return bool(
+            self._one(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
+                " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'done')"
+            )
+        )
+
+    def finished(self) -> bool:
+        # Nothing pending or processing: both probes use their partial indexes.
+        return not self._one(
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'pending')"
+            " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
+        )
+
+    def done(self) -> int:
+        return int(self._one("SELECT count(*) FROM outbox WHERE status = 'done'"))
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def celery_env(dsn: str, broker: str, **settings: Any) -> dict[str, str]:
@@ -198,14 +229,20 @@ def ceiling(admin: str, broker: str, n: int, procs: int, kind: str) -> Figure:
             def consumed() -> bool:
                 return int(client.llen("baseline")) < n
 
+            probe = psycopg.connect(dsn, autocommit=True)  # one connection for all polls
+
             def finished() -> bool:
                 if kind == "update":
-                    with psycopg.connect(dsn, autocommit=True) as conn:
-                        row = conn.execute("SELECT count(*) FROM bench_items WHERE done").fetchone()
-                    return row is not None and row[0] == n
+                    row = probe.execute(
+                        "SELECT NOT EXISTS (SELECT 1 FROM bench_items WHERE NOT done)"
+                    ).fetchone()
+                    return bool(row and row[0])
                 return client.llen("baseline") == 0 and client.hlen("unacked") == 0
 
-            seconds = wait_progress(consumed, finished, timeout=600)
+            try:
+                seconds = wait_progress(consumed, finished, timeout=600, poll=0.05)
+            finally:
+                probe.close()
         finally:
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
@@ -242,16 +279,19 @@ def relay(
                 concurrency=procs, ready=False, events=False, args=("-l", "warning")
             )
 
+            progress = Progress(dsn)
+
             def started() -> bool:
                 if not worker.alive():
                     raise RuntimeError(f"{name}: worker exited:\n{worker.text()[-2000:]}")
-                return status_counts(dsn)[0] > 0
+                return progress.started()
 
-            seconds = wait_progress(
-                started,
-                lambda: status_counts(dsn)[1] == n,
-                timeout=900,
-            )
+            try:
+                seconds = wait_progress(started, progress.finished, timeout=900, poll=0.05)
+                if progress.done() != n:
+                    raise RuntimeError(f"{name}: only {progress.done()} of {n} done")
+            finally:
+                progress.close()
         finally:
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
@@ -277,9 +317,19 @@ def loop(admin: str, n: int, procs: int, *, kind: str, publisher: str, name: str
         for w in workers:
             w.join()
         seconds = time.monotonic() - t0
-        done = status_counts(dsn)[1]
+        progress = Progress(dsn)
+        done = progress.done()
+        progress.close()
         if done != n:
             raise RuntimeError(f"{name}: only {done} of {n} done")
+    return Figure(name, n, seconds)
+
+
+def pgqueuer_drain(admin: str, n: int, consumers: int, *, wait_seconds: float, name: str) -> Figure:
+    from benchmarks.pgqueuer_bench import drain
+
+    with database(admin) as dsn:
+        seconds = drain(dsn, n, consumers, wait_seconds)
     return Figure(name, n, seconds)
 
 
@@ -346,7 +396,15 @@ def ratio(a: Figure | None, b: Figure | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument(
+        "--messages", type=int, default=20_000, help="per-message relay and Celery ceiling"
+    )
+    parser.add_argument(
+        "--bulk-messages",
+        type=int,
+        default=100_000,
+        help="chunked relay, loops and pgqueuer (fast: more messages, steadier figures)",
+    )
     parser.add_argument("--procs", type=int, default=2, help="Celery pool processes")
     parser.add_argument("--loop-procs", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=200)
@@ -357,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     def want(group: str) -> bool:
         return not only or group in only
 
-    n, procs = args.messages, args.procs
+    n, bulk, procs = args.messages, args.bulk_messages, args.procs
     figures: dict[str, Figure] = {}
     with services() as (admin, broker):
 
@@ -367,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {figure.name:<58} {extra}", flush=True)
 
         print(
-            f"outbox-relay benchmarks: {n:,} messages, pool of {procs}, {os.cpu_count()} CPUs",
+            f"outbox-relay benchmarks: {n:,} and {bulk:,} messages, pool of {procs}, "
+            f"{os.cpu_count()} CPUs",
             flush=True,
         )
         if want("ceiling"):
@@ -388,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if want("per-message"):
             record(
-                "per_message_sync",
+                "per_message_async",
                 relay(
                     admin,
                     broker,
@@ -396,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                     procs,
                     chunk=1,
                     publisher="noop",
-                    synchronous_finalize="true",
-                    name="relay per-message, synchronous finalize commits",
+                    synchronous_finalize="false",
+                    name="relay per-message, finalize with synchronous_commit=off",
                 ),
             )
         if want("chunked"):
@@ -406,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 relay(
                     admin,
                     broker,
-                    n,
+                    bulk,
                     procs,
                     chunk=args.chunk,
                     publisher="noop",
@@ -421,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 relay(
                     admin,
                     broker,
-                    n,
+                    bulk,
                     procs,
                     chunk=args.chunk,
                     publisher="wait20ms",
@@ -433,19 +492,19 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             )
             record(
-                "chunked_sync",
+                "chunked_async",
                 relay(
                     admin,
                     broker,
-                    n,
+                    bulk,
                     procs,
                     chunk=args.chunk,
                     publisher="noop",
                     batch_size=args.chunk * 4,
                     max_in_flight=args.chunk * 16,
                     publish_concurrency=args.chunk,
-                    synchronous_finalize="true",
-                    name=f"relay chunked ({args.chunk}), synchronous finalize commits",
+                    synchronous_finalize="false",
+                    name=f"relay chunked ({args.chunk}), finalize with synchronous_commit=off",
                 ),
             )
         if want("loops"):
@@ -454,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 "literal",
                 loop(
                     admin,
-                    n,
+                    bulk,
                     lp,
                     kind="literal",
                     publisher="noop",
@@ -465,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                 "literal_20ms",
                 loop(
                     admin,
-                    max(n // 10, 1000),
+                    max(bulk // 10, 1000),
                     lp,
                     kind="literal",
                     publisher="wait20ms",
@@ -476,13 +535,32 @@ def main(argv: list[str] | None = None) -> int:
                 "plain",
                 loop(
                     admin,
-                    n,
+                    bulk,
                     lp,
                     kind="plain",
                     publisher="noop",
                     name=f"dispatch_once loop x{lp}, no-op",
                 ),
             )
+        if want("pgqueuer"):
+            try:
+                import asyncpg  # noqa: F401
+                import pgqueuer  # noqa: F401
+            except ImportError as exc:
+                print(f"  pgqueuer group skipped: {exc} (pip install -e '.[bench]')", flush=True)
+            else:
+                record(
+                    "pgq",
+                    pgqueuer_drain(
+                        admin, bulk, 4, wait_seconds=0, name="pgqueuer x4 consumers, no-op"
+                    ),
+                )
+                record(
+                    "pgq_20ms",
+                    pgqueuer_drain(
+                        admin, bulk, 4, wait_seconds=0.02, name="pgqueuer x4 consumers, 20 ms jobs"
+                    ),
+                )
         if want("latency"):
             record("lat_notify", latency(admin, broker, listen=True, messages=100, interval=5))
             record("lat_poll", latency(admin, broker, listen=False, messages=100, interval=1))
@@ -490,11 +568,13 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [
         ("per-message / Celery UPDATE task", "per_message", "update"),
         ("per-message / Celery no-op task", "per_message", "noop"),
-        ("per-message, synchronous finalize / Celery UPDATE task", "per_message_sync", "update"),
+        ("per-message, async finalize / Celery UPDATE task", "per_message_async", "update"),
         ("chunked / literal loop (no-op)", "chunked", "literal"),
-        ("chunked, synchronous finalize / literal loop", "chunked_sync", "literal"),
+        ("chunked, async finalize / literal loop", "chunked_async", "literal"),
         ("chunked 20 ms / literal loop 20 ms", "chunked_20ms", "literal_20ms"),
         ("chunked / dispatch_once loop", "chunked", "plain"),
+        ("chunked / pgqueuer (no-op)", "chunked", "pgq"),
+        ("chunked 20 ms / pgqueuer 20 ms", "chunked_20ms", "pgq_20ms"),
     ]
     lines = ["| ratio | value |", "| --- | --- |"]
     for label, a, b in pairs:
@@ -507,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"# Benchmark run {time.strftime('%Y-%m-%d %H:%M:%S')}",
             "",
-            f"{os.cpu_count()} CPUs; Celery pool of {procs} processes; {n:,} messages.",
+            f"{os.cpu_count()} CPUs; Celery pool of {procs} processes; {n:,} messages for "
+            f"per-message and ceiling, {bulk:,} for chunked, loops and pgqueuer.",
             "",
             *table,
             "",

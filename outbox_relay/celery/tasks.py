@@ -50,14 +50,14 @@ def _argsrepr(refs: Sequence[LeaseRef]) -> str:
 def register_tasks(app: Any, rt: RelayRuntime) -> dict[str, Any]:
     """Define the relay tasks on ``app``; return them by short name."""
 
-    @app.task(name=DELIVER, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
+    @app.task(name=DELIVER, bind=True, ignore_result=True, serializer="json", typing=False)  # type: ignore[untyped-decorator]
     def deliver(self: Any, outbox_id: int, lease_version: int) -> dict[str, int]:
         """Deliver one leased message (the default, one task per message)."""
         report = rt.relay().deliver(rt.db(), [LeaseRef(int(outbox_id), int(lease_version))])
         _follow_ordered(rt, report, claim)
         return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
-    @app.task(name=DELIVER_BATCH, bind=True, ignore_result=True, serializer="json")  # type: ignore[untyped-decorator]
+    @app.task(name=DELIVER_BATCH, bind=True, ignore_result=True, serializer="json", typing=False)  # type: ignore[untyped-decorator]
     def deliver_batch(self: Any, refs: list[list[int]]) -> dict[str, int]:
         """Deliver a chunk: one load, concurrent publishes, one batched finalize."""
         leases = [LeaseRef(int(i), int(v)) for i, v in refs]

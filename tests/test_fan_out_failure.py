@@ -1,0 +1,51 @@
+"""A claim whose fan-out cannot reach the broker gives its rows back at once."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+from kombu.exceptions import OperationalError
+
+import outbox_relay
+from outbox_relay import NewMessage
+from outbox_relay.celery.tasks import _claim_and_fan_out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens here once closed
+
+
+def test_unreachable_broker_releases_the_claimed_rows(dsn: str) -> None:
+    app = Celery("fan-out-failure", broker=f"redis://127.0.0.1:{_closed_port()}/0")
+    app.conf.update(
+        task_publish_retry=False,  # fail fast instead of retrying the publish
+        broker_connection_retry=False,
+        broker_connection_timeout=1,
+    )
+    rt = outbox_relay.install(app, dsn=dsn, publisher="tests.apps.recording:publish")
+    tasks: dict[str, Any] = {
+        name: app.tasks[f"outbox_relay.{name}"] for name in ("claim", "deliver", "deliver_batch")
+    }
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        outbox_relay.enqueue_many(
+            conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(5)]
+        )
+    with pytest.raises(OperationalError):  # the task fails visibly, after releasing
+        _claim_and_fan_out(rt, tasks["claim"], tasks["deliver"], tasks["deliver_batch"], 0)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT status, attempts, lease_version, last_error FROM outbox ORDER BY id"
+        ).fetchall()
+    # Back to pending at once, the attempt refunded; the bumped lease_version
+    # fences off any task that did reach the broker before the failure.
+    assert [(status, attempts, version) for status, attempts, version, _ in rows] == [
+        ("pending", 0, 1)
+    ] * 5
+    assert all("fan-out to the broker failed" in error for *_, error in rows)
+    rt.close()
