@@ -50,7 +50,7 @@ from psycopg_pool import ConnectionPool
 
 from .errors import ConfigError, InvalidIdentifier, OutboxError
 from .message import Message
-from .queries import _raw_queries
+from .queries import raw_migration, raw_queries
 from .table import OutboxTable
 
 __all__ = [
@@ -125,6 +125,8 @@ class InboxTable:
 
 
 TableLike = InboxTable | str | None
+# sql/migrations/0002_inbox.sql creates the inbox beside the outbox.
+INBOX_MIGRATION = 2
 
 
 @cache
@@ -136,11 +138,10 @@ def _queries(table: InboxTable) -> dict[str, str]:
         "ix_inbox_received": sql.Identifier(f"{table.name}_received"),
         "schema": sql.Identifier(table.schema),
     }
-    return {
-        name: sql.SQL(text).format(**identifiers).as_string()
-        for name, text in _raw_queries().items()
-        if name.startswith("inbox_")
-    }
+    texts = {name: text for name, text in raw_queries().items() if name.startswith("inbox_")}
+    # ensure_inbox() runs the inbox migration itself, under this inbox's names.
+    texts["inbox_create"] = raw_migration(INBOX_MIGRATION)
+    return {name: sql.SQL(text).format(**identifiers).as_string() for name, text in texts.items()}
 
 
 def _q(table: TableLike, name: str) -> str:
@@ -260,8 +261,7 @@ def ensure_inbox(conn: psycopg.Connection[Any], *, table: TableLike = None) -> I
     with conn.transaction():
         conn.execute(q["inbox_lock"], {"key": f"outbox_relay:inbox:{inbox.qualified}"})
         conn.execute(q["inbox_create_schema"])
-        conn.execute(q["inbox_create_table"])
-        conn.execute(q["inbox_create_index"])
+        conn.execute(q["inbox_create"])
     return inbox
 
 

@@ -13,7 +13,6 @@ changes ``lease_version``: it is the fencing token and only ever grows.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -50,21 +49,12 @@ def _queries(table: TableLike) -> Queries:
     return queries_for(OutboxTable.parse(table))
 
 
-def _tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
-    # As in store.py: one statement on an idle autocommit connection is
-    # already atomic; otherwise commit our own transaction or join the
-    # caller's as a savepoint.
-    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-        return nullcontext()
-    return conn.transaction()
-
-
 # ---------------------------------------------------------------- status
 def attempts_distribution(
     conn: psycopg.Connection[Any], *, table: TableLike = None
 ) -> dict[int, int]:
     """``{attempts: messages}`` over the pending and processing rows."""
-    with _tx(conn):
+    with store.statement_tx(conn):
         rows = conn.execute(_queries(table).op_attempts_distribution).fetchall()
     return {int(attempts): int(n) for attempts, n in rows}
 
@@ -150,7 +140,7 @@ def dead_list(
 ) -> list[DeadRow]:
     """Dead messages matching ``where``, by id, at most ``limit``."""
     params = {**(where or DeadFilter()).params(), "limit": max(0, limit), "now": now}
-    with _tx(conn):
+    with store.statement_tx(conn):
         rows = conn.execute(_queries(table).op_dead_list, params).fetchall()
     return [DeadRow(*row) for row in rows]
 

@@ -16,7 +16,7 @@ from psycopg import sql
 
 from .table import OutboxTable
 
-__all__ = ["Migration", "Queries", "migrations_for", "queries_for"]
+__all__ = ["Migration", "Queries", "migrations_for", "queries_for", "raw_migration", "raw_queries"]
 
 _NAME_LINE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
@@ -46,7 +46,8 @@ def _render(text: str, table: OutboxTable) -> str:
 
 
 @cache
-def _raw_queries() -> dict[str, str]:
+def raw_queries() -> dict[str, str]:
+    """Every named query's text, identifiers not yet filled in."""
     # Every sql/*.sql file (not the migrations) holds named queries, one
     # file per concern: queries.sql for the hot path, others beside it.
     found: dict[str, str] = {}
@@ -68,7 +69,7 @@ class Queries:
 
     def __init__(self, table: OutboxTable) -> None:
         self.table = table
-        self._rendered = {name: _render(body, table) for name, body in _raw_queries().items()}
+        self._rendered = {name: _render(body, table) for name, body in raw_queries().items()}
 
     def __getattr__(self, name: str) -> str:
         try:
@@ -102,6 +103,14 @@ def _raw_migrations() -> tuple[tuple[int, str, str], ...]:
     if versions != list(range(1, len(versions) + 1)):
         raise RuntimeError(f"migrations must be numbered 1..n without gaps, found {versions}")
     return tuple(found)
+
+
+def raw_migration(version: int) -> str:
+    """One migration's text, identifiers not yet filled in."""
+    for number, _, text in _raw_migrations():
+        if number == version:
+            return text
+    raise KeyError(f"no migration {version}")
 
 
 @cache

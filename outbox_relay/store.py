@@ -53,7 +53,7 @@ def _queries(table: TableLike) -> Any:
     return queries_for(OutboxTable.parse(table))
 
 
-def _tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
+def statement_tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
     """A transaction for one store call.
 
     On an autocommit connection outside any transaction a single statement is
@@ -110,7 +110,7 @@ def reap(
 ) -> list[int]:
     """Send expired leases that used their last attempt to ``dead``."""
     q = _queries(table)
-    with _tx(conn):
+    with statement_tx(conn):
         rows = conn.execute(
             q.reap, {"max_attempts": max_attempts, "batch": batch, "now": now}
         ).fetchall()
@@ -190,7 +190,7 @@ def load_leased(
     q = _queries(table)
     if len(refs) == 1:
         one = {"id": refs[0].id, "version": refs[0].lease_version, "now": now}
-        with _tx(conn):
+        with statement_tx(conn):
             rows = conn.execute(q.load_leased_one, one).fetchall()
         return {row[0]: Leased(Claimed(*row[:11]), row[11], row[12]) for row in rows}
     params = {
@@ -198,7 +198,7 @@ def load_leased(
         "versions": [r.lease_version for r in refs],
         "now": now,
     }
-    with _tx(conn):
+    with statement_tx(conn):
         rows = conn.execute(q.load_leased, params).fetchall()
     return {row[0]: Leased(Claimed(*row[:11]), row[11], row[12]) for row in rows}
 
@@ -256,7 +256,7 @@ def finalize(
             "error": _clip(o.error),
             "now": now,
         }
-        with _tx(conn):
+        with statement_tx(conn):
             rows = conn.execute(q.finalize_one, one).fetchall()
         return {r[0] for r in rows}
     params = {
@@ -268,7 +268,7 @@ def finalize(
         "errors": [_clip(o.error) for o in outcomes],
         "now": now,
     }
-    with _tx(conn):
+    with statement_tx(conn):
         rows = conn.execute(q.finalize, params).fetchall()
     return {r[0] for r in rows}
 
@@ -335,7 +335,7 @@ def extend_leases(
         "lease": lease,
         "now": now,
     }
-    with _tx(conn):
+    with statement_tx(conn):
         rows = conn.execute(q.extend_lease, params).fetchall()
     return {r[0] for r in rows}
 
@@ -355,7 +355,7 @@ def extend_lease(
 # ---------------------------------------------------------------- inspection
 def in_flight(conn: psycopg.Connection[Any], *, table: TableLike = None) -> int:
     """Rows leased and not yet finished (the backpressure measure)."""
-    with _tx(conn):
+    with statement_tx(conn):
         row = conn.execute(_queries(table).in_flight).fetchone()
     return int(row[0]) if row else 0
 

@@ -38,7 +38,7 @@ from kombu.transport import virtual
 
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..message import Message
-from ._options import as_bool, as_callable_or, as_mapping
+from ._options import as_bool, as_callable_or, as_mapping, constructor_kwargs, split_budget
 from ._process import PerProcess
 
 __all__ = ["BROKER_SCHEMES", "BrokerPublisher"]
@@ -195,16 +195,6 @@ class BrokerPublisher:
         cls, url: str, options: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
     ) -> BrokerPublisher:
         """Build from the relay's option bag; timeouts fit in ``publish_timeout_seconds``."""
-        kwargs: dict[str, Any] = {}
-        budget = options.get("publish_timeout_seconds")
-        if budget is not None:
-            budget = float(budget)
-            connect = min(5.0, budget / 5.0)
-            kwargs.update(
-                connect_timeout=connect,
-                write_timeout=connect,
-                confirm_timeout=budget - 2 * connect,
-            )
         names = {
             "broker_exchange": "exchange",
             "broker_exchange_type": "exchange_type",
@@ -215,10 +205,9 @@ class BrokerPublisher:
             "broker_confirm_timeout": "confirm_timeout",
             "broker_transport_options": "transport_options",
         }
-        for option, kwarg in names.items():
-            if options.get(option) is not None:
-                kwargs[kwarg] = options[option]
-        kwargs.update(overrides or {})
+        kwargs = constructor_kwargs(
+            options, overrides, names, split_budget(options, last="confirm_timeout")
+        )
         if "declare" in kwargs:
             kwargs["declare"] = as_bool("broker_declare", kwargs["declare"])
             if not isinstance(kwargs["declare"], bool):
@@ -232,12 +221,13 @@ class BrokerPublisher:
                 "broker_transport_options", kwargs["transport_options"]
             )
         publisher = cls(url, **kwargs)
-        if budget is not None and publisher.timeout_seconds > budget + 1e-9:
+        budget = options.get("publish_timeout_seconds")
+        if budget is not None and publisher.timeout_seconds > float(budget) + 1e-9:
             raise ConfigError(
                 f"broker timeouts add up to {publisher.timeout_seconds:g}s (connect "
                 f"{publisher.connect_timeout:g} + write {publisher.write_timeout:g} + confirm "
                 f"{publisher.confirm_timeout:g}), more than OUTBOX_PUBLISH_TIMEOUT_SECONDS "
-                f"({budget:g})"
+                f"({float(budget):g})"
             )
         return publisher
 

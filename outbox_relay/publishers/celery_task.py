@@ -16,7 +16,7 @@ import kombu.exceptions
 
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..message import Message
-from ._options import as_callable_or
+from ._options import as_callable_or, constructor_kwargs
 from ._process import PerProcess
 
 __all__ = ["CeleryTaskPublisher", "message_kwargs"]
@@ -102,21 +102,18 @@ class CeleryTaskPublisher:
     def from_options(
         cls, task_name: str, options: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
     ) -> CeleryTaskPublisher:
-        kwargs: dict[str, Any] = {}
+        defaults: dict[str, Any] = {}
         budget = options.get("publish_timeout_seconds")
         if budget is not None:
             # Connect (broker_connection_timeout) + write + confirm must fit.
-            kwargs["publish_timeout"] = float(budget) / 3.0
+            defaults["publish_timeout"] = float(budget) / 3.0
         names = {
             "celery_app": "app",
             "celery_broker_url": "broker_url",
             "celery_queue": "queue",
             "celery_args_from": "args_from",
         }
-        for option, kwarg in names.items():
-            if options.get(option) is not None:
-                kwargs[kwarg] = options[option]
-        kwargs.update(overrides or {})
+        kwargs = constructor_kwargs(options, overrides, names, defaults)
         if "args_from" in kwargs:
             kwargs["args_from"] = as_callable_or(
                 "celery_args_from", kwargs["args_from"], ("payload", "message")

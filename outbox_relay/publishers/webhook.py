@@ -38,7 +38,7 @@ import httpx
 
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..message import Message
-from ._options import as_bool, as_mapping
+from ._options import as_bool, as_mapping, constructor_kwargs, split_budget
 from ._process import PerProcess
 
 __all__ = ["WebhookPublisher", "parse_retry_after", "sign"]
@@ -258,16 +258,6 @@ class WebhookPublisher:
         Timeouts not given explicitly are carved out of
         ``publish_timeout_seconds`` so that a whole publish fits in it.
         """
-        kwargs: dict[str, Any] = {}
-        budget = options.get("publish_timeout_seconds")
-        if budget is not None:
-            budget = float(budget)
-            connect = min(5.0, budget / 5.0)
-            kwargs.update(
-                connect_timeout=connect,
-                write_timeout=connect,
-                read_timeout=budget - 2 * connect,
-            )
         names = {
             "webhook_secret": "secret",
             "webhook_envelope": "envelope",
@@ -278,10 +268,9 @@ class WebhookPublisher:
             "webhook_verify": "verify",
             "webhook_max_retry_after": "max_retry_after",
         }
-        for option, kwarg in names.items():
-            if options.get(option) is not None:
-                kwargs[kwarg] = options[option]
-        kwargs.update(overrides or {})
+        kwargs = constructor_kwargs(
+            options, overrides, names, split_budget(options, last="read_timeout")
+        )
         for name in ("envelope", "verify"):
             if name in kwargs:
                 kwargs[name] = as_bool(f"webhook_{name}", kwargs[name])
@@ -290,12 +279,13 @@ class WebhookPublisher:
         if "headers" in kwargs and kwargs["headers"] is not None:
             kwargs["headers"] = as_mapping("webhook_headers", kwargs["headers"])
         publisher = cls(url, **kwargs)
-        if budget is not None and publisher.timeout_seconds > budget + 1e-9:
+        budget = options.get("publish_timeout_seconds")
+        if budget is not None and publisher.timeout_seconds > float(budget) + 1e-9:
             raise ConfigError(
                 f"webhook timeouts for {publisher._where} add up to "
                 f"{publisher.timeout_seconds:g}s (connect {publisher.connect_timeout:g} + write "
                 f"{publisher.write_timeout:g} + read {publisher.read_timeout:g}), more than "
-                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({budget:g})"
+                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({float(budget):g})"
             )
         return publisher
 

@@ -39,17 +39,6 @@ DELETE FROM {inbox} AS i
 SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 0));
 
 -- name: inbox_create_schema
+-- ensure_inbox() then runs migrations/0002_inbox.sql under the inbox's own names.
 CREATE SCHEMA IF NOT EXISTS {schema};
 
--- name: inbox_create_table
--- The same table as migrations/0002_inbox.sql, for an inbox in a database
--- (or under a name) the outbox migrations do not manage.
-CREATE TABLE IF NOT EXISTS {inbox} (
-    consumer    text        NOT NULL,
-    message_id  text        NOT NULL,
-    received_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer, message_id)
-);
-
--- name: inbox_create_index
-CREATE INDEX IF NOT EXISTS {ix_inbox_received} ON {inbox} (received_at);
