@@ -22,7 +22,7 @@ from .errors import (
     PublishError,
     RetryableError,
 )
-from .message import Claimed, LeaseRef, Message, idempotency_key
+from .model import Claimed, LeaseRef, Message, idempotency_key
 from .producer import NewMessage, enqueue, enqueue_many
 from .relay import DeliveryReport, Relay, RetryPolicy, classify, dispatch_once
 from .store import (

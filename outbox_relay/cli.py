@@ -41,7 +41,7 @@ from rich.table import Table
 from . import demo, operations, store
 from .config import Settings
 from .errors import ConfigError
-from .queries import migrations_for, queries_for
+from .sql.queries import migrations_for, queries_for
 from .table import OutboxTable
 
 __all__ = ["Duration", "celery_command", "main", "mask_dsn", "parse_duration"]

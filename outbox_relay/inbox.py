@@ -49,8 +49,8 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from .errors import ConfigError, InvalidIdentifier, OutboxError
-from .message import Message
-from .queries import raw_migration, raw_queries
+from .model import Message
+from .sql.queries import raw_migration, raw_queries
 from .table import OutboxTable
 
 __all__ = [

@@ -51,8 +51,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import operations
-from .message import Claimed, LeaseRef
-from .store import Outcome
+from .model import Claimed, LeaseRef
+from .model import Outcome
 from .table import OutboxTable
 
 __all__ = [

@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import store
-from .queries import Queries, queries_for
+from .sql.queries import Queries, queries_for
 from .table import OutboxTable
 
 __all__ = [

@@ -20,7 +20,7 @@ from psycopg.pq import TransactionStatus
 
 from .config import Settings
 from .errors import InvalidMessage, OperationKeyConflict
-from .queries import queries_for
+from .sql.queries import queries_for
 from .table import OutboxTable
 
 __all__ = ["NewMessage", "enqueue", "enqueue_many"]

@@ -30,8 +30,8 @@ import psycopg
 from . import store
 from .backoff import full_jitter_backoff
 from .errors import Defer, PermanentError, RetryableError
-from .message import Claimed, LeaseRef, Message
-from .store import Outcome
+from .model import Claimed, LeaseRef, Message
+from .model import Outcome
 from .table import OutboxTable
 
 __all__ = [

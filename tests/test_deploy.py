@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from outbox_relay import Claimed, Outcome
-from outbox_relay.message import LeaseRef
+from outbox_relay.model import LeaseRef
 from outbox_relay.metrics import MetricsObserver, OutboxCollector
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

@@ -13,8 +13,8 @@ from psycopg import sql
 
 import outbox_relay
 from outbox_relay import InvalidIdentifier, OutboxTable, store
-from outbox_relay.message import LeaseRef
-from outbox_relay.queries import migrations_for
+from outbox_relay.model import LeaseRef
+from outbox_relay.sql.queries import migrations_for
 from outbox_relay.relay import Relay, dispatch_once
 
 LATEST = max(m.version for m in migrations_for(OutboxTable()))

@@ -14,7 +14,7 @@ import pytest
 from psycopg import errors, sql
 
 from outbox_relay import OperationKeyConflict, OutboxTable, enqueue, operations, store
-from outbox_relay.queries import queries_for
+from outbox_relay.sql.queries import queries_for
 
 from .opsdata import LEASE, add, claim_all, db_now, make_dead
 

@@ -32,7 +32,7 @@ from outbox_relay import (
     enqueue_many,
     store,
 )
-from outbox_relay.store import Outcome
+from outbox_relay.model import Outcome
 
 LEASE = timedelta(seconds=30)
 SECOND = timedelta(seconds=1)

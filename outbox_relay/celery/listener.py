@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from celery import bootsteps
 
-from ..queries import queries_for
+from ..sql.queries import queries_for
 
 __all__ = ["NotifyListener", "RelayWorkerStep"]
 

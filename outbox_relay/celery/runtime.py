@@ -22,11 +22,11 @@ from psycopg_pool import ConnectionPool
 
 from ..config import Settings
 from ..errors import ConfigError, RetryableError
-from ..message import Claimed, LeaseRef, Message
+from ..model import Claimed, LeaseRef, Message
 from ..publishers import publisher_timeout, resolve_publisher
-from ..queries import queries_for
+from ..sql.queries import queries_for
 from ..relay import LeaseKeeper, Publisher, Relay, RelayObserver, RetryPolicy
-from ..store import Outcome
+from ..model import Outcome
 
 __all__ = ["PoolDatabase", "RelayRuntime"]
 

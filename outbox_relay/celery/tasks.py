@@ -20,9 +20,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .. import operations, store
-from ..message import Claimed, LeaseRef
+from ..model import Claimed, LeaseRef
 from ..relay import DeliveryReport
-from ..store import Outcome
+from ..model import Outcome
 
 if TYPE_CHECKING:
     from .runtime import RelayRuntime

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from ..message import Message
+from ..model import Message
 
 __all__ = ["Publisher", "load_callable", "publisher_timeout", "resolve_publisher"]
 

@@ -37,7 +37,7 @@ from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
 from kombu.transport import virtual
 
 from ..errors import ConfigError, PermanentError, RetryableError
-from ..message import Message
+from ..model import Message
 from ._options import as_bool, as_callable_or, as_mapping, constructor_kwargs, split_budget
 from ._process import PerProcess
 

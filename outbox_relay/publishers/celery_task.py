@@ -15,7 +15,7 @@ from typing import Any, Literal
 import kombu.exceptions
 
 from ..errors import ConfigError, PermanentError, RetryableError
-from ..message import Message
+from ..model import Message
 from ._options import as_callable_or, constructor_kwargs
 from ._process import PerProcess
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import ConfigError, PermanentError
-from ..message import Message
+from ..model import Message
 from .base import Publisher, publisher_timeout, resolve_publisher
 
 __all__ = ["Router"]

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from ..errors import ConfigError, PermanentError, RetryableError
-from ..message import Message
+from ..model import Message
 from ._options import as_bool, as_mapping, constructor_kwargs, split_budget
 from ._process import PerProcess
 

@@ -14,7 +14,7 @@ from importlib import resources
 
 from psycopg import sql
 
-from .table import OutboxTable
+from ..table import OutboxTable
 
 __all__ = ["Migration", "Queries", "migrations_for", "queries_for", "raw_migration", "raw_queries"]
 

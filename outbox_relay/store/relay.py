@@ -21,9 +21,9 @@ from typing import Any, Literal
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .message import Claimed, LeaseRef
-from .queries import migrations_for, queries_for
-from .table import OutboxTable
+from ..model import Claimed, LeaseRef
+from ..sql.queries import migrations_for, queries_for
+from ..table import OutboxTable
 
 __all__ = [
     "MAX_ERROR_LENGTH",

@@ -1,18 +1,21 @@
-"""The two shapes a row takes outside the database.
+"""The shapes a row takes outside the database.
 
 ``Claimed`` is what ``claim`` returns: a row plus the lease that makes it
 ours (``lease_version`` is the fencing token every finalize must present).
 ``Message`` is what a publisher sees: the same content plus the stable
-idempotency key the receiver uses to drop duplicates.
+idempotency key the receiver uses to drop duplicates. ``Outcome`` is how one
+delivery ended, as the fenced finalize writes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, Literal
 
-__all__ = ["Claimed", "LeaseRef", "Message", "idempotency_key"]
+__all__ = ["Claimed", "LeaseRef", "Message", "Outcome", "Status", "idempotency_key"]
+
+Status = Literal["done", "pending", "dead"]
 
 
 def idempotency_key(message_id: int, operation_key: str | None, prefix: str = "outbox-") -> str:
@@ -77,3 +80,34 @@ class Message:
     attempts: int
     lease_version: int
     created_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one delivery ended, as the fenced finalize will write it."""
+
+    id: int
+    lease_version: int
+    status: Status
+    delay: timedelta = timedelta(0)
+    refund_attempt: bool = False
+    error: str | None = None
+
+    @classmethod
+    def done(cls, ref: LeaseRef | Claimed) -> Outcome:
+        return cls(ref.id, ref.lease_version, "done")
+
+    @classmethod
+    def retry(
+        cls,
+        ref: LeaseRef | Claimed,
+        *,
+        delay: timedelta,
+        error: str | None,
+        refund_attempt: bool = False,
+    ) -> Outcome:
+        return cls(ref.id, ref.lease_version, "pending", delay, refund_attempt, error)
+
+    @classmethod
+    def dead(cls, ref: LeaseRef | Claimed, *, error: str) -> Outcome:
+        return cls(ref.id, ref.lease_version, "dead", error=error)

@@ -1,0 +1,43 @@
+"""What every store module shares: the query set for a table and the
+transaction a single store call runs in."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from ..sql.queries import Queries, queries_for
+from ..table import OutboxTable
+
+__all__ = ["MAX_ERROR_LENGTH", "TableLike", "clip", "queries", "statement_tx"]
+
+MAX_ERROR_LENGTH = 2000
+TableLike = OutboxTable | str | None
+
+
+def queries(table: TableLike) -> Queries:
+    """Every named query rendered for ``table`` (cached per table)."""
+    return queries_for(OutboxTable.parse(table))
+
+
+def statement_tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
+    """A transaction for one store call.
+
+    On an autocommit connection outside any transaction a single statement is
+    already atomic, and skipping BEGIN/COMMIT saves two round trips on the
+    hot path. Otherwise use a (possibly nested) transaction block, so the
+    call commits, or joins the caller's transaction as a savepoint.
+    """
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        return nullcontext()
+    return conn.transaction()
+
+
+def clip(error: str | None) -> str | None:
+    """An error text short enough for ``last_error``."""
+    if error is None:
+        return None
+    return error if len(error) <= MAX_ERROR_LENGTH else error[: MAX_ERROR_LENGTH - 3] + "..."
