@@ -1,8 +1,9 @@
 """outbox-relay: deliver transactional-outbox rows from PostgreSQL through Celery.
 
-The public API. Producers call ``enqueue`` inside their business transaction;
-relays claim rows under a lease with a fencing token (``lease_version``),
-publish outside any transaction, and finalize only while the fence holds.
+The public API. Producers call ``enqueue`` (or ``Outbox.enqueue``) inside
+their business transaction; relays claim rows under a lease with a fencing
+token (``lease_version``), publish outside any transaction, and finalize
+only while the fence holds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from .backoff import full_jitter_backoff
-from .config import Settings
+from .config import ProducerSettings, Settings
+from .db import Database, DirectDatabase
 from .errors import (
     ConfigError,
     Defer,
@@ -22,11 +24,22 @@ from .errors import (
     PublishError,
     RetryableError,
 )
-from .model import Claimed, LeaseRef, Message, idempotency_key
+from .model import Claimed, LeaseRef, Message, Outcome, idempotency_key
+from .outbox import Outbox, configure, default_outbox
 from .producer import NewMessage, enqueue, enqueue_many
-from .relay import DeliveryReport, Relay, RetryPolicy, classify, dispatch_once
+from .services import (
+    Claimer,
+    Deliverer,
+    DeliveryReport,
+    LeaseKeeper,
+    Purger,
+    RelayLoop,
+    Rescuer,
+    RetryPolicy,
+    classify,
+    dispatch_once,
+)
 from .store import (
-    Outcome,
     claim,
     extend_lease,
     extend_leases,
@@ -36,6 +49,7 @@ from .store import (
     migrate,
     reap,
     reschedule,
+    rescue,
     stats,
 )
 from .table import OutboxTable
@@ -44,27 +58,38 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Claimed",
+    "Claimer",
     "ConfigError",
+    "Database",
     "Defer",
+    "Deliverer",
     "DeliveryReport",
+    "DirectDatabase",
     "InvalidIdentifier",
     "InvalidMessage",
+    "LeaseKeeper",
     "LeaseRef",
     "Message",
     "NewMessage",
     "OperationKeyConflict",
+    "Outbox",
     "OutboxError",
     "OutboxTable",
     "Outcome",
     "PermanentError",
+    "ProducerSettings",
     "PublishError",
-    "Relay",
+    "Purger",
+    "RelayLoop",
+    "Rescuer",
     "RetryPolicy",
     "RetryableError",
     "Settings",
     "__version__",
     "claim",
     "classify",
+    "configure",
+    "default_outbox",
     "dispatch_once",
     "enqueue",
     "enqueue_many",
@@ -79,6 +104,7 @@ __all__ = [
     "migrate",
     "reap",
     "reschedule",
+    "rescue",
     "stats",
 ]
 

@@ -46,6 +46,8 @@ class Claimed:
     operation_key: str | None = None
     created_at: datetime | None = None
     lease_until: datetime | None = None
+    # Written by the producer: claimed in id order within its aggregate.
+    ordered: bool = False
 
     @property
     def ref(self) -> LeaseRef:

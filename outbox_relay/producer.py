@@ -12,25 +12,18 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import cache
 from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .config import Settings
-from .errors import InvalidMessage, OperationKeyConflict
-from .sql.queries import queries_for
+from ._defaults import producer_settings
+from .config import ProducerSettings
+from .errors import InvalidMessage
+from .store.producer import insert_messages
 from .table import OutboxTable
 
 __all__ = ["NewMessage", "enqueue", "enqueue_many"]
-
-
-@cache
-def _env_settings() -> Settings:
-    # Producers usually configure nothing; OUTBOX_TABLE, OUTBOX_MAX_PAYLOAD_BYTES
-    # and OUTBOX_ORDERED_EVENT_TYPES still apply when set.
-    return Settings.load()
 
 
 @dataclass(frozen=True)
@@ -107,6 +100,7 @@ def enqueue_many(
     conn: psycopg.Connection[Any],
     messages: Iterable[NewMessage],
     *,
+    settings: ProducerSettings | None = None,
     table: OutboxTable | str | None = None,
     ordered: bool | None = None,
     notify: bool | None = None,
@@ -115,50 +109,39 @@ def enqueue_many(
 ) -> list[int]:
     """Insert many messages in the caller's transaction; return their ids in order.
 
-    Everything is validated before anything is written, so one bad message
-    leaves the transaction as it was.
+    ``settings`` are the producer settings (an ``Outbox`` passes its own;
+    without them, the process's default outbox decides, see ``_defaults``). Everything is
+    validated before anything is written, so one bad message leaves the
+    transaction as it was. ``ordered`` overrides the settings for every
+    message; an ordered message takes its aggregate's lock (so that id order
+    equals commit order) and is marked ordered on its row.
     """
-    settings = _env_settings()
+    if settings is None:
+        settings = producer_settings()
     outbox = OutboxTable.parse(table if table is not None else settings.table)
     limit = max_payload_bytes if max_payload_bytes is not None else settings.max_payload_bytes
-    items = list(messages)
-    params = [_params(m, limit, now) for m in items]
+    params = [_params(m, limit, now) for m in messages]
     if not params:
         return []
-    q = queries_for(outbox)
-    ids: list[int] = []
+    lock_keys = []
+    for p in params:
+        p["ordered"] = ordered if ordered is not None else settings.is_ordered(p["event_type"])
+        if p["ordered"]:
+            lock_keys.append(f"{outbox.lock_key}:{p['aggregate_type']}:{p['aggregate_id']}")
     if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
         # The caller's transaction has not begun yet (psycopg begins it with
         # the first statement). Begin it now: on an idle connection
-        # conn.transaction() below would open *and commit* a transaction of
-        # its own, and the message would then survive a rollback of the
-        # business change that follows (enqueue first, then INSERT the order).
+        # conn.transaction() would open *and commit* a transaction of its
+        # own, and the message would then survive a rollback of the business
+        # change that follows (enqueue first, then INSERT the order).
         conn.execute("SELECT 1")
-    with conn.transaction(), conn.cursor() as cur:
-        for p in params:
-            is_ordered = (
-                ordered if ordered is not None else p["event_type"] in settings.ordered_event_types
-            )
-            if is_ordered:
-                key = f"{outbox.lock_key}:{p['aggregate_type']}:{p['aggregate_id']}"
-                cur.execute(q.advisory_lock, {"key": key})
-            cur.execute(q.insert, p)
-            row = cur.fetchone()
-            if row is not None:
-                ids.append(int(row[0]))
-                continue
-            # The operation key exists: the same content is the same
-            # operation (return its id); anything else is a mistake.
-            cur.execute(q.insert_conflict, p)
-            existing = cur.fetchone()
-            if existing is None:  # pragma: no cover - the key's row vanished meanwhile
-                raise OperationKeyConflict(p["operation_key"], -1)
-            if not existing[1]:
-                raise OperationKeyConflict(p["operation_key"], int(existing[0]))
-            ids.append(int(existing[0]))
-        if notify if notify is not None else settings.notify:
-            cur.execute(q.notify, {"channel": outbox.channel})
-    return ids
+    return insert_messages(
+        conn,
+        params,
+        table=outbox,
+        lock_keys=lock_keys,
+        notify=notify if notify is not None else settings.notify,
+    )
 
 
 def enqueue(
@@ -171,6 +154,7 @@ def enqueue(
     operation_key: str | None = None,
     delay: timedelta | float | None = None,
     headers: Mapping[str, Any] | None = None,
+    settings: ProducerSettings | None = None,
     table: OutboxTable | str | None = None,
     ordered: bool | None = None,
     notify: bool | None = None,
@@ -181,7 +165,8 @@ def enqueue(
 
     The same ``operation_key`` with the same content returns the existing id;
     with different content it raises ``OperationKeyConflict``. ``ordered``
-    defaults to whether ``event_type`` is in ``OUTBOX_ORDERED_EVENT_TYPES``.
+    defaults to whether ``event_type`` is one of the producer settings'
+    ``ordered_event_types``.
     """
     message = NewMessage(
         aggregate_type=aggregate_type,
@@ -195,6 +180,7 @@ def enqueue(
     [message_id] = enqueue_many(
         conn,
         [message],
+        settings=settings,
         table=table,
         ordered=ordered,
         notify=notify,

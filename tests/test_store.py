@@ -23,7 +23,6 @@ from outbox_relay import (
     Message,
     NewMessage,
     PermanentError,
-    Relay,
     RetryableError,
     RetryPolicy,
     classify,
@@ -32,6 +31,7 @@ from outbox_relay import (
     enqueue_many,
     store,
 )
+from outbox_relay import Deliverer, DirectDatabase
 from outbox_relay.model import Outcome
 
 LEASE = timedelta(seconds=30)
@@ -83,6 +83,11 @@ def claim(
     **kw: Any,
 ) -> list[Claimed]:
     return store.claim(conn, owner=owner, batch=batch, lease=lease, now=now, **kw)
+
+
+def deliverer(conn: psycopg.Connection[Any], publisher: Any, **kw: Any) -> Deliverer:
+    """A Deliverer on ``conn`` for rows claimed with store.claim (attempt counted there)."""
+    return Deliverer(publisher, db=DirectDatabase(conn), **kw)
 
 
 def run_threads(n: int, target: Callable[[int], None], timeout: float = 60.0) -> None:
@@ -279,7 +284,7 @@ def test_poison_message_ends_dead_after_max_attempts_and_is_never_claimed_again(
     assert store.mark_done(conn, m, now=now) is False
 
 
-def test_reap_kills_only_expired_leases_with_no_attempts_left(
+def test_rescue_kills_only_expired_leases_with_no_attempts_left(
     conn: psycopg.Connection[Any],
 ) -> None:
     exhausted, fresh, leased = seed(conn, 3)
@@ -291,9 +296,10 @@ def test_reap_kills_only_expired_leases_with_no_attempts_left(
     [g] = claim(conn, t1, batch=1, lease=10 * LEASE)
     assert [(m.id, m.attempts) for m in (e, f, g)] == [(exhausted, 2), (fresh, 1), (leased, 1)]
     t2 = t1 + LEASE + SECOND
-    # max_attempts=2: only the expired lease that used its second attempt dies.
+    # max_attempts=2: only the expired lease that used its second attempt dies;
+    # the other expired one goes back to pending; the live lease is left alone.
     assert store.reap(conn, max_attempts=2, now=t2) == [exhausted]
-    assert statuses(conn) == {exhausted: "dead", fresh: "processing", leased: "processing"}
+    assert statuses(conn) == {exhausted: "dead", fresh: "pending", leased: "processing"}
     assert "2 of 2" in row(conn, exhausted)["last_error"]
     # The expired one with attempts left is handed out again instead.
     [again] = claim(conn, t2, max_attempts=2)
@@ -634,9 +640,9 @@ def test_lease_renewal_is_fenced_on_the_lease_version(conn: psycopg.Connection[A
     [b] = claim(conn, later, owner="B")
     before = all_rows(conn)
     assert store.extend_lease(conn, a, lease=timedelta(hours=1), now=later) is False
-    assert store.extend_leases(conn, [a.ref, LeaseRef(a.id, 99)], lease=LEASE, now=later) == set()
+    assert set(store.extend_leases(conn, [a.ref, LeaseRef(a.id, 99)], lease=LEASE, now=later)) == set()
     assert all_rows(conn) == before
-    assert store.extend_leases(conn, [a, b], lease=LEASE, now=later) == {b.id}
+    assert set(store.extend_leases(conn, [a, b], lease=LEASE, now=later)) == {b.id}
     assert row(conn, message_id)["lease_until"] == later + LEASE
     # A finished row cannot be renewed.
     assert store.mark_done(conn, b, now=later)
@@ -654,7 +660,7 @@ def test_batched_finalize_changes_exactly_the_current_leases(
     mine = claim(conn, t0, owner="A", lease=timedelta(seconds=10))
     later = t0 + timedelta(seconds=11)
     # A keeps ids[0:4] alive; ids[4:8] expire and B takes them over.
-    assert store.extend_leases(conn, mine[:4], lease=LEASE, now=t0 + 5 * SECOND) == set(ids[:4])
+    assert set(store.extend_leases(conn, mine[:4], lease=LEASE, now=t0 + 5 * SECOND)) == set(ids[:4])
     theirs = claim(conn, later, owner="B")
     assert [m.id for m in theirs] == ids[4:]
     policy = RetryPolicy(backoff_cap=0.0)
@@ -693,7 +699,7 @@ def test_batched_finalize_changes_exactly_the_current_leases(
     assert store.finalize(conn, []) == set()
 
 
-# ---------------------------------------------------------------- Relay.deliver
+# ---------------------------------------------------------------- Deliverer.deliver
 def test_deliver_skips_stale_refs_without_publishing(dsn: str) -> None:
     with (
         psycopg.connect(dsn, autocommit=True) as ca,
@@ -701,15 +707,20 @@ def test_deliver_skips_stale_refs_without_publishing(dsn: str) -> None:
     ):
         ids = seed(ca, 3)
         mine = claim(ca, None, owner="A", lease=timedelta(minutes=5))
-        # B takes one row over (as if A's lease had expired).
-        takeover = db_now(cb) + timedelta(minutes=5, seconds=1)
-        [theirs] = claim(cb, takeover, owner="B", batch=1)
+        # B takes one row over: its lease expired (A froze, say), the rescuer
+        # gave it back, and B claimed it.
+        ca.execute(
+            "UPDATE outbox SET lease_until = now() - interval '1 second' WHERE id = %s",
+            (ids[0],),
+        )
+        [theirs] = claim(cb, None, owner="B", batch=1)
+        assert theirs.id == ids[0]
         kept = [i for i in ids if i != theirs.id]
         publisher = Recorder()
-        relay = Relay(publisher, concurrency=1)
+        relay = deliverer(ca, publisher, concurrency=1)
         # A's chunk: its stale ref, its two current ones, and one for no row at all.
         refs = [m.ref for m in mine] + [LeaseRef(ids[-1] + 1000, 1)]
-        report = relay.deliver(ca, refs)
+        report = relay.deliver(refs)
         assert publisher.ids == kept
         assert (report.done, report.stale, report.lost) == (2, 2, 0)
         r = row(ca, theirs.id)
@@ -721,9 +732,9 @@ def test_deliver_releases_rows_with_too_little_lease_left(conn: psycopg.Connecti
     ids = seed(conn, 3)
     short = claim(conn, None, lease=timedelta(seconds=5))
     publisher = Recorder()
-    relay = Relay(publisher, publish_timeout=10.0, concurrency=1)
+    relay = deliverer(conn, publisher, publish_timeout=10.0, concurrency=1)
     before = db_now(conn)
-    report = relay.deliver(conn, [m.ref for m in short])
+    report = relay.deliver([m.ref for m in short])
     assert publisher.messages == []
     assert (report.released, report.done, report.stale) == (3, 0, 0)
     for i in ids:
@@ -734,7 +745,7 @@ def test_deliver_releases_rows_with_too_little_lease_left(conn: psycopg.Connecti
     # Released rows are due again at once, with a fresh lease and no attempt lost.
     again = claim(conn, None, lease=timedelta(minutes=5))
     assert [(m.id, m.attempts, m.lease_version) for m in again] == [(i, 1, 2) for i in ids]
-    report = relay.deliver(conn, [m.ref for m in again])
+    report = relay.deliver([m.ref for m in again])
     assert report.done == 3 and publisher.ids == ids
 
 
@@ -753,10 +764,10 @@ def test_deliver_publishes_a_chunk_concurrently_and_finalizes_it(
         return None
 
     publisher = Recorder(publish)
-    relay = Relay(publisher, concurrency=4)
+    relay = deliverer(conn, publisher, concurrency=4)
     try:
         claimed = claim(conn, None, lease=timedelta(minutes=5))
-        report = relay.deliver(conn, [m.ref for m in claimed])
+        report = relay.deliver([m.ref for m in claimed])
     finally:
         relay.close()
     assert (report.done, report.retried, report.dead, report.stale) == (8, 0, 0, 0)
@@ -782,7 +793,7 @@ def test_deliver_counts_a_lease_lost_during_publish(dsn: str) -> None:
             return None
 
         publisher = Recorder(slow_publish)
-        report = Relay(publisher, concurrency=1).deliver(ca, [a.ref])
+        report = deliverer(ca, publisher, concurrency=1).deliver([a.ref])
         assert (report.done, report.lost) == (0, 1)
         r = row(ca, message_id)
         assert (r["status"], r["lease_version"], r["attempts"]) == ("done", 2, 2)
@@ -816,7 +827,7 @@ def test_idempotency_key_is_stable_across_retries_and_reclaims(
         return None
 
     publisher = Recorder(fail)
-    relay = Relay(publisher, concurrency=1, policy=RetryPolicy(backoff_cap=1.0))
+    relay = deliverer(conn, publisher, concurrency=1, policy=RetryPolicy(backoff_cap=1.0))
     now = db_now(conn)
     for n in range(3):
         attempt["n"] = n
@@ -825,7 +836,7 @@ def test_idempotency_key_is_stable_across_retries_and_reclaims(
         assert [m.id for m in claimed] == [keyed, plain]
         for m in claimed:
             with contextlib.suppress(Crash):
-                relay.deliver(conn, [m.ref])
+                relay.deliver([m.ref])
     keys: dict[int, set[str]] = {}
     for m in publisher.messages:
         keys.setdefault(m.id, set()).add(m.idempotency_key)
@@ -849,7 +860,8 @@ def test_deliver_with_an_aged_message_applies_max_defer(conn: psycopg.Connection
     claimed = claim(conn, None, lease=timedelta(minutes=5))
     publisher = Recorder(lambda m: Defer(timedelta(minutes=15), "wait"))
     policy = RetryPolicy(max_defer=timedelta(hours=1))
-    report = Relay(publisher, policy=policy, concurrency=1).deliver(conn, [m.ref for m in claimed])
+    relay = deliverer(conn, publisher, policy=policy, concurrency=1)
+    report = relay.deliver([m.ref for m in claimed])
     assert (report.dead, report.retried) == (1, 1)
     assert statuses(conn) == {old: "dead", young: "pending"}
     assert row(conn, young)["attempts"] == 0

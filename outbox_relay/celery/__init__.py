@@ -1,8 +1,11 @@
-"""The relay inside Celery: tasks, beat entry, worker bootstep, signals."""
+"""The relay inside Celery: tasks, routes, beat entries, worker bootstep, signals.
+
+Glue only: the work is done by ``outbox_relay.services``.
+"""
 
 from __future__ import annotations
 
 from .install import install
-from .runtime import RelayRuntime
+from .runtime import Installation
 
-__all__ = ["RelayRuntime", "install"]
+__all__ = ["Installation", "install"]

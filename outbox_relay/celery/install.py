@@ -1,97 +1,192 @@
 """``install(app)``: adopt the relay into an existing Celery app.
 
-It registers the ``outbox_relay.*`` tasks, adds the beat entry that claims
-every ``OUTBOX_CLAIM_INTERVAL_SECONDS``, makes workers consume the ``outbox``
-queue, wires the per-process signal handlers, and adds the worker bootstep
-(start-up validation and the NOTIFY listener). The app's own tasks, routes and
-schedule are left as they were.
+It registers the ``outbox_relay.*`` tasks, routes them to ``OUTBOX_QUEUE``
+after the app's own ``task_routes``, adds the beat entries (claim, rescue,
+purge), wires the per-process signal handlers and adds the worker bootstep
+(start-up checks and the NOTIFY listener). Celery's conventions decide the
+rest: a worker started without ``-Q`` also consumes the outbox queue; one
+started with ``-Q billing`` consumes only ``billing`` and runs none of the
+relay's start-up work. The app's own tasks, routes and schedule are kept.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import signals
 
+from .. import _defaults
+from ..config import ProducerSettings
+from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
-from .runtime import RelayRuntime
-from .tasks import CLAIM, PURGE, register_tasks
+from ..outbox import Outbox
+from . import names
+from .runtime import Installation
+from .tasks import register_tasks
 
 __all__ = ["install"]
 
-BEAT_ENTRY = "outbox-relay-claim"
-PURGE_ENTRY = "outbox-relay-purge"
-PURGE_EVERY_SECONDS = 3600.0
+log = logging.getLogger("outbox_relay.celery")
+
+_PRODUCER_FIELDS = frozenset(ProducerSettings.field_names())
 
 
 def install(
     app: Any,
     *,
+    outbox: Outbox | None = None,
     beat: bool = True,
     consume: bool = True,
     task_options: dict[str, Any] | None = None,
     **settings: Any,
-) -> RelayRuntime:
-    """Install the relay into ``app`` and return its runtime.
+) -> Installation:
+    """Install the relay into ``app`` and return it (also ``app.outbox_relay``).
 
-    ``settings`` override ``outbox_*`` Celery settings and ``OUTBOX_*``
-    environment variables (``install(app, dsn=..., publisher="pkg.mod:send")``).
-    ``task_options`` are Celery retry options (``max_retries``,
-    ``retry_backoff``, ``retry_backoff_max``, ``retry_jitter``,
-    ``autoretry_for``) read as the relay's retry policy; ``task_annotations``
-    for ``outbox_relay.deliver`` override them.
+    ``outbox`` is the ``Outbox`` your producers use (its table and ordering);
+    without one, the producer settings among ``settings`` make one, which
+    becomes this process's default for ``outbox_relay.enqueue``. ``settings``
+    override ``outbox_*`` Celery settings and ``OUTBOX_*`` environment
+    variables (``install(app, dsn=..., publisher="pkg.mod:send")``).
+    ``beat=False`` adds no beat entries (schedule them yourself);
+    ``consume=False`` never adds the outbox queue to a worker (start the
+    relay's workers with ``-Q outbox``). ``task_options`` are Celery retry
+    options read as the relay's retry policy; ``task_annotations`` for
+    ``outbox_relay.deliver`` override them.
     """
     existing = getattr(app, "outbox_relay", None)
-    if isinstance(existing, RelayRuntime):
+    if isinstance(existing, Installation):
         return existing
-    rt = RelayRuntime(app, settings, task_options)
-    app.outbox_relay = rt
-    register_tasks(app, rt)
+    if outbox is None:
+        outbox = made = Outbox.from_settings(settings, conf=app.conf)
+        _defaults.register(lambda: made.settings, explicit=False)
+    relay_settings = {k: v for k, v in settings.items() if k not in _PRODUCER_FIELDS}
+    inst = Installation(app, outbox, relay_settings, task_options)
+    app.outbox_relay = inst
+    register_tasks(app, inst)
     # Counters and histograms for Prometheus (see outbox_relay.metrics for
     # PROMETHEUS_MULTIPROC_DIR under the prefork pool).
-    rt.observers.append(MetricsObserver())
+    inst.observers.append(MetricsObserver())
 
+    _when_configured(app, lambda: _add_route(app, inst))
     if beat:
+        _when_configured(app, lambda: _add_beat_entries(app, inst))
+        _check_beat(app, inst)
+    _wire_worker(app, inst, consume)
+    return inst
 
-        def add_beat_entry(sender: Any = None, **kwargs: Any) -> None:
-            s = rt.settings
-            schedule = dict(app.conf.beat_schedule or {})
-            schedule.setdefault(
-                BEAT_ENTRY,
-                {
-                    "task": CLAIM,
-                    "schedule": s.claim_interval_seconds,
-                    # A tick nobody picked up within one interval is replaced
-                    # by the next one; don't let them pile up in the broker.
-                    "options": {"queue": s.queue, "expires": s.claim_interval_seconds},
-                },
-            )
-            schedule.setdefault(
-                PURGE_ENTRY,
-                {
-                    "task": PURGE,
-                    "schedule": PURGE_EVERY_SECONDS,
-                    "options": {"queue": s.queue, "expires": PURGE_EVERY_SECONDS},
-                },
-            )
-            app.conf.beat_schedule = schedule
 
-        if app.configured:
-            add_beat_entry()
-        else:
-            app.on_after_configure.connect(add_beat_entry, weak=False)
+def _when_configured(app: Any, fn: Any) -> None:
+    if app.configured:
+        fn()
+    else:
+        app.on_after_configure.connect(lambda sender=None, **kw: fn(), weak=False)
+
+
+def _add_route(app: Any, inst: Installation) -> None:
+    """Route relay tasks to OUTBOX_QUEUE, after the user's own ``task_routes``.
+
+    The queue is read when a task is routed, not now, so a bad setting
+    surfaces where it can be reported (worker or beat start), never inside
+    Celery's configure signal, which only logs.
+    """
+
+    def route(name: str, *args: Any, **kwargs: Any) -> dict[str, str] | None:
+        if name.startswith("outbox_relay."):
+            return {"queue": inst.settings.queue}
+        return None
+
+    routes = app.conf.task_routes
+    if routes is None:
+        combined: tuple[Any, ...] = (route,)
+    elif isinstance(routes, (list, tuple)):
+        combined = (*routes, route)
+    else:
+        combined = (routes, route)
+    app.conf.task_routes = combined
+    # Celery caches its router; rebuild it from the new routes.
+    app.amqp.flush_routes()
+    app.amqp.__dict__.pop("router", None)
+
+
+def _add_beat_entries(app: Any, inst: Installation) -> None:
+    try:
+        s = inst.settings
+    except OutboxError as exc:
+        # Celery only logs errors raised in on_after_configure; keep it for
+        # beat_init (below), which stops beat with this message.
+        inst.config_error = exc
+        return
+    schedule = dict(app.conf.beat_schedule or {})
+    # A tick nobody picked up within one interval is replaced by the next one;
+    # don't let them pile up in the broker.
+    schedule.setdefault(
+        names.BEAT_CLAIM,
+        {
+            "task": names.CLAIM,
+            "schedule": s.claim_interval_seconds,
+            "options": {"expires": s.claim_interval_seconds},
+        },
+    )
+    schedule.setdefault(
+        names.BEAT_RESCUE,
+        {
+            "task": names.RESCUE,
+            "schedule": s.rescue_interval,
+            "options": {"expires": s.rescue_interval},
+        },
+    )
+    schedule.setdefault(
+        names.BEAT_PURGE,
+        {
+            "task": names.PURGE,
+            "schedule": names.PURGE_EVERY_SECONDS,
+            "options": {"expires": names.PURGE_EVERY_SECONDS},
+        },
+    )
+    app.conf.beat_schedule = schedule
+
+
+def _check_beat(app: Any, inst: Installation) -> None:
+    """Fail ``celery beat`` at start on bad settings, a bad publisher or no migration."""
+
+    def on_beat_init(sender: Any = None, **kwargs: Any) -> None:
+        if getattr(sender, "app", app) is not app:
+            return
+        try:
+            if inst.config_error is not None:
+                raise inst.config_error
+            inst.validate()
+            inst.check_database()
+        except ConfigError as exc:
+            log.critical("outbox-relay: beat cannot start: %s", exc)
+            # Celery's signal dispatch swallows exceptions; SystemExit is not
+            # an Exception, so it stops beat with this status.
+            raise SystemExit(f"outbox-relay: {exc}") from None
+
+    signals.beat_init.connect(on_beat_init, weak=False)
+
+
+def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
+    def on_init(sender: Any = None, instance: Any = None, options: Any = None, **kw: Any) -> None:
+        if instance is not None and instance.app is app:
+            # -Q given on the command line: the operator decides what this
+            # worker consumes, so the relay adds no queue of its own.
+            inst.explicit_queues = bool((options or {}).get("queues"))
 
     def after_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
-        # Make every worker of this app consume the outbox queue too.
-        if instance is not None and instance.app is app and consume:
-            instance.app.amqp.queues.select_add(rt.settings.queue)
+        if instance is None or instance.app is not app:
+            return
+        if consume and not inst.explicit_queues:
+            instance.app.amqp.queues.select_add(inst.settings.queue)
 
     def process_init(**kwargs: Any) -> None:
-        rt.reset()  # a forked child must not reuse the parent's sockets
+        inst.reset()  # a forked child must not reuse the parent's sockets
 
     def process_shutdown(**kwargs: Any) -> None:
-        rt.close()
+        inst.close()
 
+    signals.celeryd_init.connect(on_init, weak=False)
     signals.celeryd_after_setup.connect(after_setup, weak=False)
     signals.worker_process_init.connect(process_init, weak=False)
     signals.worker_process_shutdown.connect(process_shutdown, weak=False)
@@ -99,4 +194,3 @@ def install(
     from .listener import RelayWorkerStep
 
     app.steps["worker"].add(RelayWorkerStep)
-    return rt

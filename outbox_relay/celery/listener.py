@@ -14,14 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from celery import bootsteps
 
-from ..sql.queries import queries_for
+from .. import store
+from ..errors import ConfigError
+from ..table import OutboxTable
+from . import names
 
-__all__ = ["NotifyListener", "RelayWorkerStep"]
+__all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -29,9 +33,16 @@ log = logging.getLogger("outbox_relay.celery")
 class NotifyListener:
     """A daemon thread that turns NOTIFYs into claim tasks."""
 
-    def __init__(self, dsn: str, channel_sql: str, trigger: Any, *, debounce: float = 0.05) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        table: OutboxTable,
+        trigger: Callable[[], None],
+        *,
+        debounce: float = 0.05,
+    ) -> None:
         self.dsn = dsn
-        self.channel_sql = channel_sql
+        self.table = table
         self.trigger = trigger
         self.debounce = debounce
         self._stop = threading.Event()
@@ -59,7 +70,7 @@ class NotifyListener:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.dsn, autocommit=True) as conn:
-                    conn.execute(self.channel_sql)
+                    store.listen(conn, table=self.table)
                     backoff = 0.5
                     # Rows may have arrived while we were not listening.
                     self._fire()
@@ -90,8 +101,33 @@ class NotifyListener:
             self._fire()
 
 
+def relays_here(worker: Any, inst: Any) -> bool:
+    """Whether this worker consumes the relay's queue (so it must check and listen).
+
+    Without -Q it does (install added the queue). With -Q, only when the
+    operator listed the relay's queue; a relay configuration that cannot
+    even be read then is reported by the relay's own workers, not by a
+    worker started for other queues.
+    """
+    queues = worker.app.amqp.queues
+    selected = queues.consume_from
+    consumed = set(selected) if selected is not None else set(queues)
+    try:
+        queue = inst.settings.queue
+    except ConfigError as exc:
+        if inst.explicit_queues:
+            log.warning("outbox relay settings are invalid (%s); this worker ignores them", exc)
+            return False
+        raise
+    return queue in consumed
+
+
 class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Validates the relay at worker start and runs the NOTIFY listener."""
+    """Checks the relay at worker start and runs the NOTIFY listener.
+
+    Only on workers that consume the relay's queue: a worker started with
+    ``-Q billing`` opens no connection for the relay and checks nothing.
+    """
 
     label = "outbox-relay"
     # Start after the pool has forked its children.
@@ -101,21 +137,22 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(worker, **kwargs)
         self.listener: NotifyListener | None = None
         self.connection: Any = None
-        rt = getattr(worker.app, "outbox_relay", None)
-        self.rt = rt
-        if rt is None:
-            return
-        # Fail at start, with a message naming the setting, not at the first task.
-        rt.validate()
-        rt.check_database()
+        self.inst = getattr(worker.app, "outbox_relay", None)
 
     def start(self, worker: Any) -> None:
-        rt = self.rt
-        if rt is None or not rt.settings.listen:
+        inst = self.inst
+        if inst is None or not relays_here(worker, inst):
             return
-        s = rt.settings
+        # Fail at start, with a message naming the setting, not at the first task.
+        if inst.config_error is not None:
+            raise inst.config_error
+        inst.validate()
+        inst.check_database()
+        s = inst.settings
+        if not s.listen:
+            return
         app = worker.app
-        claim = app.tasks["outbox_relay.claim"]
+        claim = app.tasks[names.CLAIM]
         # A broker connection of the listener's own. Sharing the app's pool
         # with a thread of the main process is unsafe under prefork: a child
         # forked while the thread holds that pool's lock deadlocks when it
@@ -124,9 +161,9 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         producer = app.amqp.Producer(self.connection)
 
         def trigger() -> None:
-            claim.apply_async(queue=s.queue, serializer="json", producer=producer)
+            claim.apply_async(serializer="json", producer=producer)
 
-        self.listener = NotifyListener(s.require_dsn(), queries_for(s.outbox_table).listen, trigger)
+        self.listener = NotifyListener(s.require_dsn(), s.outbox_table, trigger)
         self.listener.start()
 
     def stop(self, worker: Any) -> None:

@@ -1,80 +1,60 @@
-"""Per-process state of the relay inside a Celery app.
+"""The relay as installed into one Celery app: settings, checks, per-process services.
 
-Everything that holds a socket (the connection pool, the publisher's
-clients, the lease keeper's thread) is created lazily in the process that
-uses it and rebuilt when the PID changes, so nothing crosses a fork: Celery's
-prefork pool forks children from the main process, and a connection shared by
-two processes corrupts both.
+``Installation`` is what ``install(app)`` returns and stores as
+``app.outbox_relay``. It owns the validated settings (the producer part from
+the app's ``Outbox``) and builds the services for each process on first use.
+Everything that holds a socket (the pool, the publisher's clients, the
+keeper's thread) is created in the process that uses it and rebuilt when the
+PID changes, so nothing crosses a fork: Celery's prefork pool forks children
+from the main process, and a connection shared by two processes corrupts both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
+from .. import store
 from ..config import Settings
-from ..errors import ConfigError, RetryableError
-from ..model import Claimed, LeaseRef, Message
+from ..db import PoolDatabase
+from ..errors import ConfigError, OutboxError, RetryableError
+from ..model import Message
+from ..outbox import Outbox
 from ..publishers import publisher_timeout, resolve_publisher
-from ..sql.queries import queries_for
-from ..relay import LeaseKeeper, Publisher, Relay, RelayObserver, RetryPolicy
-from ..model import Outcome
+from ..services import Claimer, Deliverer, LeaseKeeper, Observer, Publisher, Purger, Rescuer
+from ..services.policy import RetryPolicy
+from . import names
+from .events import Observers, TaskEvents
+from .options import annotations_for, retry_policy, time_limits
 
-__all__ = ["PoolDatabase", "RelayRuntime"]
+__all__ = ["Installation", "Services"]
 
 log = logging.getLogger("outbox_relay.celery")
-T = TypeVar("T")
 
 
-class PoolDatabase:
-    """A per-process connection pool that retries once on a broken connection.
+@dataclass
+class Services:
+    """The services of one process."""
 
-    A terminated backend, a restarted server or a failover surfaces as
-    ``OperationalError`` on the next statement. Every store call is safe to
-    repeat (reads, or writes fenced on ``lease_version``), so one retry on a
-    fresh connection turns most of those into a blip instead of a lost lease.
-    """
-
-    def __init__(
-        self, dsn: str, *, size: int, name: str, synchronous_finalize: bool = True
-    ) -> None:
-        def configure(conn: psycopg.Connection[Any]) -> None:
-            if not synchronous_finalize:
-                # Finalizes stop waiting for the WAL flush; claims still
-                # commit durably (store.claim sets it back for its transaction).
-                conn.execute("SET synchronous_commit = off")
-
-        self.pool = ConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=max(1, size),
-            kwargs={"autocommit": True},
-            configure=configure,
-            name=name,
-            open=True,
-        )
-
-    def run(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
-        for attempt in (1, 2):
-            with self.pool.connection() as conn:
-                try:
-                    return fn(conn)
-                except psycopg.OperationalError:
-                    if attempt == 2 or not conn.broken:
-                        raise
-                    log.warning("database connection lost; retrying on a new connection")
-        raise AssertionError("unreachable")  # pragma: no cover
+    db: PoolDatabase
+    claimer: Claimer
+    deliverer: Deliverer
+    rescuer: Rescuer
+    purger: Purger
+    keeper: LeaseKeeper
 
     def close(self) -> None:
-        self.pool.close()
+        self.deliverer.close()
+        self.db.close()
 
 
 def _translate_celery_retry(publisher: Publisher) -> Publisher:
@@ -90,165 +70,85 @@ def _translate_celery_retry(publisher: Publisher) -> Publisher:
             return publisher(message)
         except Retry as exc:
             when = exc.when
-            delay: float | None = None
-            if isinstance(when, (int, float)):
-                delay = float(when)
+            delay = float(when) if isinstance(when, (int, float)) else None
             raise RetryableError(f"publisher asked to retry: {exc}", retry_after=delay) from exc
 
     return publish
 
 
-class TaskEvents:
-    """Relay observer that emits Celery task events (shown in Flower) and logs.
-
-    Custom event types: ``task-outbox-lost-lease`` and ``task-outbox-stale``,
-    sent on behalf of the delivery task running in this thread (workers
-    started with ``-E``).
-    """
-
-    def _send(self, kind: str, **fields: Any) -> None:
-        from celery import current_task
-
-        task = current_task
-        if task is None or not getattr(task.request, "id", None):
-            return
-        try:
-            task.send_event(kind, **fields)
-        except Exception:  # events are best effort; never fail a delivery for one
-            log.debug("could not send task event %s", kind, exc_info=True)
-
-    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
-        pass
-
-    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
-        pass
-
-    def lost_lease(self, ref: LeaseRef, where: str) -> None:
-        self._send("task-outbox-lost-lease", outbox_id=ref.id, lease_version=ref.lease_version)
-
-    def stale(self, ref: LeaseRef, reason: str) -> None:
-        self._send(
-            "task-outbox-stale", outbox_id=ref.id, lease_version=ref.lease_version, reason=reason
-        )
-
-
-class RelayRuntime:
-    """The relay as installed into one Celery app."""
+class Installation:
+    """The relay installed into one Celery app (``app.outbox_relay``)."""
 
     def __init__(
         self,
         app: Any,
+        outbox: Outbox,
         overrides: Mapping[str, Any],
         task_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.app = app
+        self.outbox = outbox
         self.overrides = dict(overrides)
         # Celery retry options given to install(); task_annotations win over them.
         self.task_options = dict(task_options or {})
+        self.observers: list[Observer] = [TaskEvents()]
         self._settings: Settings | None = None
-        self._pid: int | None = None
         self._lock = threading.Lock()
-        self._db: PoolDatabase | None = None
-        self._relay: Relay | None = None
-        self.events = TaskEvents()
-        self.observers: list[RelayObserver] = []
+        self._pid: int | None = None
+        self._services: Services | None = None
+        # Set by install(): a settings error Celery's configure signal would
+        # only have logged, and whether the worker was started with -Q.
+        self.config_error: OutboxError | None = None
+        self.explicit_queues = False
 
     # ----------------------------------------------------------- settings
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = Settings.load(self.app.conf, **self.overrides)
+            # The producer part comes from the Outbox: the relay can never
+            # disagree with producers about the table or ordering.
+            producer = dataclasses.asdict(self.outbox.settings)
+            self._settings = Settings.load(self.app.conf, **{**self.overrides, **producer})
         return self._settings
 
-    def lease(self) -> timedelta:
-        return timedelta(seconds=self.settings.lease_seconds)
+    @property
+    def dsn(self) -> str | None:
+        """The relay's DSN (InboxTask reads it); None when not configured."""
+        return self.settings.dsn
 
     @property
     def owner(self) -> str:
         return self.settings.owner or f"{socket.gethostname()}:{os.getpid()}"
 
     def policy(self) -> RetryPolicy:
-        """The retry policy, read from the deliver task's Celery retry options.
-
-        ``max_retries`` -> attempts (max_retries + 1), ``retry_backoff`` ->
-        backoff base seconds (``False`` means a constant ``default_retry_delay``),
-        ``retry_backoff_max`` -> cap, ``retry_jitter`` -> full jitter on/off,
-        ``autoretry_for`` -> exception classes treated as transient.
-        """
-        from .tasks import DELIVER, task_annotations
-
-        s = self.settings
-        options = {**self.task_options, **task_annotations(self.app, DELIVER)}
-        max_attempts = s.max_attempts
-        if "max_retries" in options:
-            max_retries = options["max_retries"]
-            max_attempts = 2**31 - 1 if max_retries is None else int(max_retries) + 1
-        cap = float(options.get("retry_backoff_max", s.backoff_cap_seconds))
-        jitter = bool(options.get("retry_jitter", True))
-        backoff = options.get("retry_backoff", s.backoff_base_seconds)
-        if backoff is False or backoff is None:
-            # Celery without backoff retries after a constant default_retry_delay.
-            base = float(options.get("default_retry_delay", 180))
-            cap = base
-            jitter = bool(options.get("retry_jitter", False))
-        else:
-            base = 1.0 if backoff is True else float(backoff)
-        retry_on = tuple(options.get("autoretry_for", ()) or ())
-        return RetryPolicy(
-            max_attempts=max_attempts,
-            backoff_base=base,
-            backoff_cap=cap,
-            jitter=jitter,
-            max_defer=timedelta(seconds=s.max_defer_seconds),
-            retry_on=retry_on,
+        return retry_policy(
+            self.settings, self.task_options, annotations_for(self.app, names.DELIVER)
         )
-
-    def worst_publish_seconds(self) -> float:
-        """The longest a delivery task may spend publishing (bounded waves)."""
-        s = self.settings
-        waves = -(-s.chunk_size // s.publish_concurrency) if s.chunk_size > 1 else 1
-        return waves * s.publish_timeout_seconds
-
-    def time_limits(self) -> tuple[float, float]:
-        """(soft, hard) task time limits: after the worst publish, before the lease ends."""
-        worst = self.worst_publish_seconds()
-        lease = self.settings.lease_seconds
-        return worst + 0.25 * (lease - worst), worst + 0.5 * (lease - worst)
 
     # --------------------------------------------------------- validation
     def validate(self) -> None:
-        """Check settings and that the timeouts nest; raise ConfigError naming them.
+        """Check the settings and that the timeouts nest; raise ConfigError naming them.
 
         publisher timeout < task time limit < lease < broker visibility timeout.
         """
         s = self.settings
         s.require_dsn()
+        self._check_publisher()
         lease = s.lease_seconds
-        worst_publish = self.worst_publish_seconds()
-        if worst_publish >= lease:
-            raise ConfigError(
-                f"a delivery chunk may publish for {worst_publish:g}s "
-                f"(ceil(OUTBOX_CHUNK_SIZE {s.chunk_size} / OUTBOX_PUBLISH_CONCURRENCY "
-                f"{s.publish_concurrency}) x OUTBOX_PUBLISH_TIMEOUT_SECONDS "
-                f"{s.publish_timeout_seconds:g}), which does not fit inside "
-                f"OUTBOX_LEASE_SECONDS ({lease:g})"
-            )
-        from .tasks import DELIVER, task_annotations
-
-        options = {**self.task_options, **task_annotations(self.app, DELIVER)}
+        worst = s.worst_delivery_seconds
+        delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER
+        options = {**self.task_options, **annotations_for(self.app, delivery)}
         for name in ("time_limit", "soft_time_limit"):
             limit = options.get(name)
             if limit is None:
                 limit = self.app.conf.get(f"task_{name}")
-            if limit is None:
-                continue
-            if not worst_publish < float(limit) < lease:
+            if limit is not None and not worst < float(limit) < lease:
                 raise ConfigError(
-                    f"task {name} ({limit}s) must lie between the worst-case publish time "
-                    f"({worst_publish:g}s) and OUTBOX_LEASE_SECONDS ({lease:g}s)"
+                    f"task {name} ({limit}s) must lie between the worst-case delivery time "
+                    f"({worst:g}s) and OUTBOX_LEASE_SECONDS ({lease:g}s)"
                 )
-        options = self.app.conf.get("broker_transport_options") or {}
-        visibility = options.get("visibility_timeout")
+        transport = self.app.conf.get("broker_transport_options") or {}
+        visibility = transport.get("visibility_timeout")
         broker = str(self.app.conf.get("broker_url") or "")
         if broker.startswith(("redis", "rediss", "sqs")):
             visibility = 3600 if visibility is None else visibility
@@ -258,54 +158,41 @@ class RelayRuntime:
                 f"greater than OUTBOX_LEASE_SECONDS ({lease:g}s), or the broker redelivers "
                 "tasks that are still running"
             )
-        # Resolve the publisher now (a bad OUTBOX_PUBLISHER fails at start), but
-        # build nothing that holds a connection in this, possibly parent, process.
-        publisher = self.publisher()
-        timeout = getattr(publisher, "timeout_seconds", None)
-        if timeout is not None and float(timeout) > s.publish_timeout_seconds:
+
+    def _check_publisher(self) -> None:
+        s = self.settings
+        declared = publisher_timeout(self.publisher())
+        if declared is not None and declared > s.publish_timeout_seconds:
             raise ConfigError(
-                f"the publisher's own timeout ({float(timeout):g}s) exceeds "
-                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({s.publish_timeout_seconds:g}s)"
+                f"the publisher may take {declared:g}s per publish, more than "
+                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({s.publish_timeout_seconds:g}); lower its "
+                "own timeouts or raise OUTBOX_PUBLISH_TIMEOUT_SECONDS"
             )
 
     def check_database(self) -> None:
-        """Connect once and check the outbox table exists (then disconnect)."""
+        """Connect once and check the table is migrated (then disconnect)."""
         table = self.settings.outbox_table
         try:
             with psycopg.connect(self.settings.require_dsn(), connect_timeout=10) as conn:
-                row = conn.execute(
-                    queries_for(table).table_exists, {"schema": table.schema, "name": table.name}
-                ).fetchone()
+                exists = store.table_exists(conn, table=table)
+                missing = store.missing_migrations(conn, table=table) if exists else []
         except psycopg.Error as exc:
-            raise ConfigError(f"cannot connect to OUTBOX_DSN: {exc}") from exc
-        if not row or not row[0]:
+            raise ConfigError(
+                f"cannot connect to OUTBOX_DSN: {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+        if not exists:
             raise ConfigError(
                 f"the outbox table {table.qualified} does not exist: run "
                 "`outbox-relay migrate` (or outbox_relay.migrate(conn)) first"
             )
+        if missing:
+            raise ConfigError(
+                f"the outbox table {table.qualified} lacks migration(s) "
+                f"{', '.join(map(str, missing))}: run `outbox-relay migrate` first"
+            )
 
     # ----------------------------------------------------- process state
-    def _check_pid(self) -> None:
-        pid = os.getpid()
-        if self._pid != pid:
-            # Forked (or first use): forget, without closing, whatever the
-            # parent built; its sockets belong to the parent.
-            self._db = None
-            self._relay = None
-            self._pid = pid
-
-    def db(self) -> PoolDatabase:
-        with self._lock:
-            self._check_pid()
-            if self._db is None:
-                self._db = PoolDatabase(
-                    self.settings.require_dsn(),
-                    size=self.settings.pool_size,
-                    name=f"outbox-relay-{os.getpid()}",
-                    synchronous_finalize=self.settings.synchronous_finalize,
-                )
-            return self._db
-
     def publisher(self) -> Publisher:
         s = self.settings
         base = resolve_publisher(
@@ -314,66 +201,71 @@ class RelayRuntime:
             **dict(s.publisher_options),
         )
         wrapped = _translate_celery_retry(base)
-        # Kept for the start-up check that the publisher's own timeout fits.
         wrapped.timeout_seconds = publisher_timeout(base)  # type: ignore[attr-defined]
         return wrapped
 
-    def relay(self) -> Relay:
-        db = self.db()
+    def services(self) -> Services:
         with self._lock:
-            if self._relay is None:
-                s = self.settings
-                self._relay = Relay(
-                    self.publisher(),
-                    table=s.outbox_table,
-                    policy=self.policy(),
-                    publish_timeout=s.publish_timeout_seconds,
-                    idempotency_key_prefix=s.idempotency_key_prefix,
-                    concurrency=s.publish_concurrency,
-                    observer=_Fanout([self.events, *self.observers]),
-                    keeper=LeaseKeeper(db, self.lease(), table=s.outbox_table),
-                )
-            return self._relay
+            pid = os.getpid()
+            if self._pid != pid:
+                # Forked (or first use): forget, without closing, whatever the
+                # parent built; its sockets belong to the parent.
+                self._services = None
+                self._pid = pid
+            if self._services is None:
+                self._services = self._build()
+            return self._services
+
+    def _build(self) -> Services:
+        s = self.settings
+        table = s.outbox_table
+        lease = timedelta(seconds=s.lease_seconds)
+        policy = self.policy()
+        db = PoolDatabase(
+            s.require_dsn(),
+            size=s.pool_size,
+            name=f"outbox-relay-{os.getpid()}",
+            synchronous_finalize=s.synchronous_finalize,
+        )
+        keeper = LeaseKeeper(db, lease, table=table)
+        deliverer = Deliverer(
+            self.publisher(),
+            db=db,
+            table=table,
+            policy=policy,
+            publish_timeout=s.publish_timeout_seconds,
+            idempotency_key_prefix=s.idempotency_key_prefix,
+            concurrency=s.publish_concurrency,
+            observer=Observers(list(self.observers)),
+            keeper=keeper,
+            # The delivery task counts the attempt when it begins, so a task
+            # that expired in the broker unrun costs its row nothing.
+            count_attempt=True,
+        )
+        claimer = Claimer(
+            db,
+            table=table,
+            owner=lambda: self.owner,
+            batch_size=s.batch_size,
+            max_in_flight=s.max_in_flight,
+            lease=lease,
+            max_attempts=policy.max_attempts,
+        )
+        rescuer = Rescuer(db, table=table, max_attempts=policy.max_attempts)
+        purger = Purger(db, table=table, older_than=timedelta(seconds=s.purge_after_seconds))
+        return Services(db, claimer, deliverer, rescuer, purger, keeper)
+
+    def time_limits(self) -> tuple[float, float]:
+        return time_limits(self.settings)
 
     def reset(self) -> None:
         """Drop per-process state (after fork); closes nothing the parent owns."""
         with self._lock:
             self._pid = None
-            self._db = None
-            self._relay = None
+            self._services = None
 
     def close(self) -> None:
         with self._lock:
-            if self._pid == os.getpid():
-                if self._relay is not None:
-                    self._relay.close()
-                if self._db is not None:
-                    self._db.close()
-            self._db = None
-            self._relay = None
-
-
-class _Fanout:
-    """Calls several observers; one failing observer never breaks delivery."""
-
-    def __init__(self, observers: list[RelayObserver]) -> None:
-        self.observers = observers
-
-    def _each(self, name: str, *args: Any) -> None:
-        for observer in self.observers:
-            try:
-                getattr(observer, name)(*args)
-            except Exception:
-                log.debug("observer %r failed in %s", observer, name, exc_info=True)
-
-    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
-        self._each("published", msg, outcome, seconds)
-
-    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
-        self._each("finalized", msg, outcome, age_seconds)
-
-    def lost_lease(self, ref: LeaseRef, where: str) -> None:
-        self._each("lost_lease", ref, where)
-
-    def stale(self, ref: LeaseRef, reason: str) -> None:
-        self._each("stale", ref, reason)
+            if self._pid == os.getpid() and self._services is not None:
+                self._services.close()
+            self._services = None

@@ -1,4 +1,5 @@
--- Every query outbox-relay runs, by name. Loaded once by outbox_relay/queries.py.
+-- Every query outbox-relay runs, by name. Loaded once by outbox_relay/sql/queries.py
+-- and run only by outbox_relay/store/.
 --
 -- {table} and friends are identifiers filled in with psycopg.sql.Identifier;
 -- %(name)s are bound parameters. Queries that depend on time take %(now)s:
@@ -9,9 +10,10 @@
 -- One new message, inside the caller's transaction. A repeated operation key
 -- inserts nothing; the caller then compares contents (insert_conflict).
 INSERT INTO {table} AS o
-       (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, available_at)
+       (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
+        available_at)
 VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s::jsonb,
-        %(headers)s::jsonb, %(operation_key)s,
+        %(headers)s::jsonb, %(operation_key)s, %(ordered)s,
         coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval)
 ON CONFLICT (operation_key) WHERE operation_key IS NOT NULL DO NOTHING
 RETURNING id;
@@ -26,9 +28,10 @@ SELECT id,
  WHERE operation_key = %(operation_key)s;
 
 -- name: advisory_lock
--- A transaction-scoped lock on a text key. Serializes migrations, and
--- producers of one aggregate of an ordered event type (so that id order
--- equals commit order within the aggregate).
+-- A transaction-scoped lock on a text key. Serializes migrations; producers
+-- of one ordered aggregate (so that id order equals commit order within the
+-- aggregate); and the claims of one table when an in-flight cap applies (so
+-- that the live-lease count a claim reads cannot be raced past by another).
 SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 0));
 
 -- name: create_schema
@@ -57,78 +60,58 @@ SELECT pg_notify(%(channel)s, '');
 -- same lease_version twice.
 SET LOCAL synchronous_commit = on;
 
--- name: reap
--- Rows whose lease expired with no attempts left: the worker died on its last
--- try (a poison message that kills workers never reaches an except branch).
-WITH doomed AS (
+-- name: rescue
+-- The rescuer: expired leases go back to 'pending' (due at once) for the claim to
+-- hand out again, or to 'dead' when their last attempt began and never
+-- finished (a poison message that kills or hangs its worker never reaches an
+-- except branch). It needs no room under the in-flight cap and runs on its
+-- own tick, so lost delivery tasks can never freeze the relay. It walks the
+-- leased index only.
+WITH expired AS (
     SELECT id
       FROM {table}
      WHERE status = 'processing'
        AND lease_until < coalesce(%(now)s::timestamptz, now())
-       AND attempts >= %(max_attempts)s
      ORDER BY lease_until
      LIMIT %(batch)s
        FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
-   SET status = 'dead',
-       last_error = 'lease expired on the last attempt (' || o.attempts
-                    || ' of ' || %(max_attempts)s || '); the worker probably crashed',
-       lease_owner = NULL,
-       lease_until = NULL
-  FROM doomed
- WHERE o.id = doomed.id
-RETURNING o.id;
+   SET status       = CASE WHEN o.attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' END,
+       -- Keep its place in the queue: it was due before the rows behind it.
+       available_at = least(o.available_at, coalesce(%(now)s::timestamptz, now())),
+       last_error   = CASE WHEN o.attempts >= %(max_attempts)s
+                           THEN 'lease expired on the last attempt (' || o.attempts || ' of '
+                                || %(max_attempts)s || '); the worker crashed or hung'
+                           ELSE coalesce(o.last_error, 'lease expired before delivery finished')
+                      END,
+       lease_owner  = NULL,
+       lease_until  = NULL
+  FROM expired
+ WHERE o.id = expired.id
+RETURNING o.id, o.status;
 
 -- name: claim
--- Take up to %(batch)s rows: due pending rows and rows whose lease expired.
--- Each branch walks its own partial index; one OR-ed predicate would make
--- the planner walk past finished rows.
-WITH ready AS (
-    SELECT id
-      FROM {table}
-     WHERE status = 'pending'
-       AND available_at <= coalesce(%(now)s::timestamptz, now())
-     ORDER BY available_at, id
-     LIMIT %(batch)s
-       FOR UPDATE SKIP LOCKED
-), expired AS (
-    SELECT id
-      FROM {table}
-     WHERE status = 'processing'
-       AND lease_until < coalesce(%(now)s::timestamptz, now())
-       AND attempts < %(max_attempts)s
-     ORDER BY lease_until
-     LIMIT %(batch)s
-       FOR UPDATE SKIP LOCKED
-), picked AS (
-    SELECT id FROM expired
-    UNION ALL
-    SELECT id FROM ready
-    LIMIT %(batch)s
-)
-UPDATE {table} AS o
-   SET status        = 'processing',
-       lease_owner   = %(owner)s,
-       lease_until   = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
-       lease_version = o.lease_version + 1,
-       attempts      = o.attempts + 1
-  FROM picked
- WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-          o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until;
-
--- name: claim_ordered
--- As claim, but a row of an ordered event type is claimable only when no
--- earlier row of its aggregate (of an ordered type) is unfinished. "dead"
--- counts as unfinished: a dead head blocks its aggregate until a person
--- retries or skips it. %(all_ordered)s orders every event type.
+-- Lease up to %(batch)s due pending rows, at most %(room)s of them (NULL: no
+-- cap) where room = the in-flight cap minus the live leases. Expired leases
+-- are not taken here: the rescuer turns them back into pending rows first.
+--
+-- An ordered row (marked by its producer, or of an event type in
+-- %(ordered_types)s, or every row when %(all_ordered)s) is claimable only
+-- when no earlier ordered row of its aggregate is unfinished; 'dead' counts
+-- as unfinished, so a dead head blocks its aggregate until a person acts.
+--
+-- %(count_attempt)s is 1 when the claim starts the attempt (the plain loop
+-- publishes at once) and 0 when the delivery task counts it as it begins
+-- (Celery: a fan-out task that expired in the broker unrun costs nothing).
+-- A row that has already used every attempt (max_attempts was lowered)
+-- goes to 'dead' instead of starting one more; only leased rows are returned.
 WITH ready AS (
     SELECT o.id
       FROM {table} AS o
      WHERE o.status = 'pending'
        AND o.available_at <= coalesce(%(now)s::timestamptz, now())
-       AND (NOT (%(all_ordered)s OR o.event_type = ANY(%(ordered_types)s::text[]))
+       AND (NOT (o.ordered OR %(all_ordered)s OR o.event_type = ANY(%(ordered_types)s::text[]))
             OR NOT EXISTS (
                 SELECT 1
                   FROM {table} AS prev
@@ -136,75 +119,81 @@ WITH ready AS (
                    AND prev.aggregate_id = o.aggregate_id
                    AND prev.id < o.id
                    AND prev.status IN ('pending', 'processing', 'dead')
-                   AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s::text[]))))
+                   AND (prev.ordered OR %(all_ordered)s
+                        OR prev.event_type = ANY(%(ordered_types)s::text[]))))
      ORDER BY o.available_at, o.id
-     LIMIT %(batch)s
+     LIMIT greatest(0, least(%(batch)s::int, coalesce(%(room)s::int - (
+               SELECT count(*)
+                 FROM {table}
+                WHERE status = 'processing'
+                  AND lease_until >= coalesce(%(now)s::timestamptz, now())), %(batch)s::int)))
        FOR UPDATE SKIP LOCKED
-), expired AS (
-    SELECT o.id
-      FROM {table} AS o
-     WHERE o.status = 'processing'
-       AND o.lease_until < coalesce(%(now)s::timestamptz, now())
-       AND o.attempts < %(max_attempts)s
-       AND (NOT (%(all_ordered)s OR o.event_type = ANY(%(ordered_types)s::text[]))
-            OR NOT EXISTS (
-                SELECT 1
-                  FROM {table} AS prev
-                 WHERE prev.aggregate_type = o.aggregate_type
-                   AND prev.aggregate_id = o.aggregate_id
-                   AND prev.id < o.id
-                   AND prev.status IN ('pending', 'processing', 'dead')
-                   AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s::text[]))))
-     ORDER BY o.lease_until
-     LIMIT %(batch)s
-       FOR UPDATE SKIP LOCKED
-), picked AS (
-    SELECT id FROM expired
-    UNION ALL
-    SELECT id FROM ready
-    LIMIT %(batch)s
+), changed AS (
+    UPDATE {table} AS o
+       SET status        = CASE WHEN o.attempts >= %(max_attempts)s THEN 'dead'
+                                ELSE 'processing' END,
+           lease_owner   = CASE WHEN o.attempts >= %(max_attempts)s THEN NULL
+                                ELSE %(owner)s END,
+           lease_until   = CASE WHEN o.attempts >= %(max_attempts)s THEN NULL
+                                ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+                           END,
+           lease_version = o.lease_version + 1,
+           attempts      = CASE WHEN o.attempts >= %(max_attempts)s THEN o.attempts
+                                ELSE o.attempts + %(count_attempt)s END,
+           last_error    = CASE WHEN o.attempts >= %(max_attempts)s
+                                THEN 'retries exhausted: ' || o.attempts || ' attempts used of '
+                                     || %(max_attempts)s
+                                ELSE o.last_error END
+      FROM ready
+     WHERE o.id = ready.id
+ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
+           o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
+           o.ordered, o.status
 )
+SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
+       headers, operation_key, created_at, lease_until, ordered
+  FROM changed
+ WHERE status = 'processing';
+
+-- name: begin
+-- A delivery task begins: the rows of its chunk still held under the given
+-- versions, with the lease left and the message's age. A row with at least
+-- %(needed)s of lease left is started (its attempt counted when
+-- %(count_attempt)s = 1); one with less is returned unstarted, for the task
+-- to give back at once rather than publish into a lease that may end midway.
+-- A missing row means "not mine any more". (lease_until, not status: see
+-- finalize.)
 UPDATE {table} AS o
-   SET status        = 'processing',
-       lease_owner   = %(owner)s,
-       lease_until   = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
-       lease_version = o.lease_version + 1,
-       attempts      = o.attempts + 1
-  FROM picked
- WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-          o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until;
-
--- name: load_leased
--- The rows of a delivery chunk that are still held under the given versions,
--- with how much lease is left. A missing row means "not mine any more".
-SELECT o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-       o.event_type, o.payload, o.headers, o.operation_key, o.created_at,
-       o.lease_until,
-       extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8
-           AS lease_left_seconds,
-       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8
-           AS age_seconds
+   SET attempts = o.attempts + CASE
+           WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
+           THEN %(count_attempt)s ELSE 0 END
   FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
-  JOIN {table} AS o
-    ON o.id = v.id
+ WHERE o.id = v.id
    AND o.lease_version = v.version
-   AND o.lease_until IS NOT NULL;
+   AND o.lease_until IS NOT NULL
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
+          o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
+          o.ordered,
+          extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8,
+          extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8,
+          o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval;
 
--- name: load_leased_one
--- load_leased for one message (the per-message deliver task): plain
--- parameters plan far cheaper than unnest() of one-element arrays.
-SELECT o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-       o.event_type, o.payload, o.headers, o.operation_key, o.created_at,
-       o.lease_until,
-       extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8
-           AS lease_left_seconds,
-       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8
-           AS age_seconds
-  FROM {table} AS o
+-- name: begin_one
+-- begin for one message (the per-message deliver task): plain parameters
+-- plan far cheaper than unnest() of one-element arrays.
+UPDATE {table} AS o
+   SET attempts = o.attempts + CASE
+           WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
+           THEN %(count_attempt)s ELSE 0 END
  WHERE o.id = %(id)s
    AND o.lease_version = %(version)s
-   AND o.lease_until IS NOT NULL;
+   AND o.lease_until IS NOT NULL
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
+          o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
+          o.ordered,
+          extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8,
+          extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8,
+          o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval;
 
 -- name: finalize
 -- Fenced finalize of many messages in one statement. A row changes only when
@@ -219,7 +208,7 @@ UPDATE {table} AS o
        available_at = CASE WHEN v.status = 'pending'
                            THEN coalesce(%(now)s::timestamptz, now()) + v.delay
                            ELSE o.available_at END,
-       attempts     = o.attempts - v.refund,
+       attempts     = greatest(0, o.attempts - v.refund),
        last_error   = v.error,
        done_at      = CASE WHEN v.status = 'done'
                            THEN coalesce(%(now)s::timestamptz, now()) END,
@@ -234,14 +223,14 @@ UPDATE {table} AS o
 RETURNING o.id;
 
 -- name: finalize_one
--- finalize for one message, with plain parameters (see load_leased_one).
+-- finalize for one message, with plain parameters (see begin_one).
 -- The same fence: id, lease_version and a live lease.
 UPDATE {table} AS o
    SET status       = %(status)s,
        available_at = CASE WHEN %(status)s = 'pending'
                            THEN coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval
                            ELSE o.available_at END,
-       attempts     = o.attempts - %(refund)s,
+       attempts     = greatest(0, o.attempts - %(refund)s),
        last_error   = %(error)s,
        done_at      = CASE WHEN %(status)s = 'done'
                            THEN coalesce(%(now)s::timestamptz, now()) END,
@@ -253,18 +242,24 @@ UPDATE {table} AS o
 RETURNING o.id;
 
 -- name: extend_lease
--- Fenced lease renewal (heartbeat) for long publishes.
+-- Fenced lease renewal (the heartbeat of long chunks), measured by the
+-- database's clock: returns each renewed row with the lease it now has left.
 UPDATE {table} AS o
    SET lease_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
   FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
-RETURNING o.id;
+RETURNING o.id,
+          extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8;
 
 -- name: in_flight
--- Leased-but-unfinished rows, for backpressure (walks the leased index only).
-SELECT count(*) FROM {table} WHERE status = 'processing';
+-- Live leases, the backpressure measure (walks the leased index only).
+-- Expired leases do not count: they hold nothing, and the rescuer frees them.
+SELECT count(*)
+  FROM {table}
+ WHERE status = 'processing'
+   AND lease_until >= coalesce(%(now)s::timestamptz, now());
 
 -- name: stats
 SELECT (SELECT count(*) FROM {table} WHERE status = 'pending') AS pending,

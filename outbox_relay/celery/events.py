@@ -1,0 +1,75 @@
+"""Observers the Celery relay attaches: task events for Flower, and a fan-out."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..model import Claimed, LeaseRef, Outcome
+from ..services.deliverer import Observer
+
+__all__ = ["Observers", "TaskEvents"]
+
+log = logging.getLogger("outbox_relay.celery")
+
+
+class TaskEvents:
+    """Emits Celery task events (shown in Flower) for stale and lost leases.
+
+    Custom event types ``task-outbox-lost-lease`` and ``task-outbox-stale``,
+    sent on behalf of the delivery task running in this thread (workers
+    started with ``-E``). They carry ids and versions, never payloads.
+    """
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        from celery import current_task
+
+        task = current_task
+        if task is None or not getattr(task.request, "id", None):
+            return
+        try:
+            task.send_event(kind, **fields)
+        except Exception:  # events are best effort; never fail a delivery for one
+            log.debug("could not send task event %s", kind, exc_info=True)
+
+    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
+        pass
+
+    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
+        if outcome.status == "dead":
+            # A dead letter needs a person: say so above INFO.
+            log.warning("outbox message %s is dead: %s", msg.id, outcome.error)
+
+    def lost_lease(self, ref: LeaseRef, where: str) -> None:
+        self._send("task-outbox-lost-lease", outbox_id=ref.id, lease_version=ref.lease_version)
+
+    def stale(self, ref: LeaseRef, reason: str) -> None:
+        self._send(
+            "task-outbox-stale", outbox_id=ref.id, lease_version=ref.lease_version, reason=reason
+        )
+
+
+class Observers:
+    """Calls several observers; one failing observer never breaks delivery."""
+
+    def __init__(self, observers: list[Observer]) -> None:
+        self.observers = observers
+
+    def _each(self, name: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, name)(*args)
+            except Exception:
+                log.debug("observer %r failed in %s", observer, name, exc_info=True)
+
+    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
+        self._each("published", msg, outcome, seconds)
+
+    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
+        self._each("finalized", msg, outcome, age_seconds)
+
+    def lost_lease(self, ref: LeaseRef, where: str) -> None:
+        self._each("lost_lease", ref, where)
+
+    def stale(self, ref: LeaseRef, reason: str) -> None:
+        self._each("stale", ref, reason)

@@ -1,0 +1,109 @@
+"""Sending the delivery tasks of one claim: the Celery side of the claimer.
+
+Fan-out messages carry only ``(id, lease_version)`` pairs and expire before
+the lease can no longer fit a whole delivery, so a backlogged task is dropped
+instead of publishing late (it costs its row nothing: the attempt is counted
+when a delivery begins, and the rescuer frees the lease). No explicit queue:
+the user's ``task_routes`` decide, with the relay's own route (the
+``outbox`` queue) after them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+from ..config import Settings
+from ..db import Database
+from ..model import Claimed, LeaseRef, Outcome
+from ..store import finalize
+from .options import time_limits
+
+__all__ = ["argsrepr", "fan_out", "release"]
+
+log = logging.getLogger("outbox_relay.celery")
+
+
+def argsrepr(refs: Sequence[LeaseRef]) -> str:
+    """What Flower shows as the task's arguments: ids, never payloads."""
+    if len(refs) == 1:
+        return f"(outbox #{refs[0].id} v{refs[0].lease_version})"
+    return f"({len(refs)} outbox messages #{refs[0].id}..#{refs[-1].id})"
+
+
+def release(db: Database, settings: Settings, claimed: Sequence[Claimed], reason: str) -> None:
+    """Give rows back at once instead of waiting out their lease (nothing was counted)."""
+    if not claimed:
+        return
+    outcomes = [Outcome.retry(c, delay=timedelta(0), error=reason) for c in claimed]
+    try:
+        db.run(lambda conn: finalize(conn, outcomes, table=settings.outbox_table))
+    except Exception:
+        log.exception("could not release %d claimed rows; their leases will expire", len(claimed))
+
+
+def _batched(producer: Any) -> AbstractContextManager[Any]:
+    """Group the fan-out into one broker round trip where the transport can.
+
+    kombu >= 5.7 buffers Redis publishes in one pipeline inside
+    ``Producer.batch()`` and flushes at the end (AMQP publishes at once). If
+    the flush fails, ``fan_out`` releases the rows.
+    """
+    batch = getattr(producer, "batch", None)
+    return batch() if batch is not None else nullcontext()
+
+
+def fan_out(
+    app: Any,
+    settings: Settings,
+    db: Database,
+    claimed: list[Claimed],
+    *,
+    deliver: Any,
+    deliver_batch: Any,
+    annotated: dict[str, Any],
+    follow_up: Callable[[Any], None] | None = None,
+) -> None:
+    """Send the delivery tasks; ``follow_up`` (a claim) goes in halfway through.
+
+    A drain's next claim sits in the queue behind half of this round's
+    deliveries: it runs while the other half is still queued, so the workers
+    never wait on an empty queue between rounds, and the broker holds about
+    one round at a time (self-pacing, whatever the workers' speed).
+    """
+    size = settings.chunk_size
+    chunks = [claimed[i : i + size] for i in range(0, len(claimed), size)]
+    halfway = len(chunks) // 2
+    expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
+    soft_limit, hard_limit = time_limits(settings)
+    try:
+        with app.producer_or_acquire() as producer, _batched(producer):
+            for number, chunk in enumerate(chunks):
+                if follow_up is not None and number == halfway:
+                    follow_up(producer)
+                refs = [c.ref for c in chunk]
+                options: dict[str, Any] = {
+                    "expires": expires,
+                    "producer": producer,
+                    "argsrepr": argsrepr(refs),
+                    "serializer": "json",
+                }
+                if "time_limit" not in annotated:
+                    options["time_limit"] = hard_limit
+                if "soft_time_limit" not in annotated:
+                    options["soft_time_limit"] = soft_limit
+                if size == 1:
+                    deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
+                else:
+                    pairs = [[r.id, r.lease_version] for r in refs]
+                    deliver_batch.apply_async((pairs,), **options)
+    except Exception:
+        # Some tasks may have reached the broker before the failure (a batch
+        # flushes as it fills). Release every row anyway: a task that did
+        # arrive finds a newer lease_version and is turned away by the fence.
+        log.exception("fan-out to the broker failed; releasing %d claimed rows", len(claimed))
+        release(db, settings, claimed, "released unpublished: fan-out to the broker failed")
+        raise

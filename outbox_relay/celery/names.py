@@ -1,0 +1,26 @@
+"""The relay's task names and beat entries (all under ``outbox_relay.``)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BEAT_CLAIM",
+    "BEAT_PURGE",
+    "BEAT_RESCUE",
+    "CLAIM",
+    "DELIVER",
+    "DELIVER_BATCH",
+    "PURGE",
+    "PURGE_EVERY_SECONDS",
+    "RESCUE",
+]
+
+CLAIM = "outbox_relay.claim"
+DELIVER = "outbox_relay.deliver"
+DELIVER_BATCH = "outbox_relay.deliver_batch"
+RESCUE = "outbox_relay.rescue"
+PURGE = "outbox_relay.purge"
+
+BEAT_CLAIM = "outbox-relay-claim"
+BEAT_RESCUE = "outbox-relay-rescue"
+BEAT_PURGE = "outbox-relay-purge"
+PURGE_EVERY_SECONDS = 3600.0

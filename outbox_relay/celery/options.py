@@ -1,0 +1,95 @@
+"""Celery's own task options, read the way Celery reads them.
+
+The deliver task's retry options (``max_retries``, ``retry_backoff``,
+``retry_backoff_max``, ``retry_jitter``, ``autoretry_for``) and time limits
+are not used by Celery here (the relay never calls ``Task.retry``): they
+are read as the relay's policy, from ``install(task_options=...)`` and then
+``task_annotations`` in every form Celery accepts (a dict, a list of dicts,
+objects with ``annotate(task)``, or their import paths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from celery.app.annotations import prepare, resolve_all
+
+from ..config import Settings
+from ..services.policy import RetryPolicy
+
+__all__ = ["annotations_for", "retry_policy", "time_limits"]
+
+# What an annotation may set for the relay's tasks; anything else is Celery's.
+_READ = (
+    "max_retries",
+    "retry_backoff",
+    "retry_backoff_max",
+    "retry_jitter",
+    "autoretry_for",
+    "default_retry_delay",
+    "time_limit",
+    "soft_time_limit",
+)
+
+
+class _Named:
+    """Stands in for a task in annotation lookups (they only read ``name``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def annotations_for(app: Any, name: str) -> dict[str, Any]:
+    """The ``task_annotations`` a user set for task ``name`` ("*" first, then by name)."""
+    found: dict[str, Any] = {}
+    prepared = prepare(app.conf.get("task_annotations"))
+    task = app.tasks.get(name) or _Named(name)
+    # resolve_all yields the by-name match before the "*" one; apply "*" first.
+    for annotation in reversed(list(resolve_all(prepared, task))):
+        if isinstance(annotation, Mapping):
+            found.update(annotation)
+    return {k: v for k, v in found.items() if k in _READ}
+
+
+def retry_policy(
+    settings: Settings, task_options: Mapping[str, Any], annotations: Mapping[str, Any]
+) -> RetryPolicy:
+    """The relay's retry policy from Celery retry options (annotations win).
+
+    ``max_retries`` -> attempts (max_retries + 1; None: no limit),
+    ``retry_backoff`` -> backoff base seconds (False: a constant
+    ``default_retry_delay``), ``retry_backoff_max`` -> cap, ``retry_jitter``
+    -> full jitter on or off, ``autoretry_for`` -> classes treated as transient.
+    """
+    options = {**task_options, **annotations}
+    max_attempts = settings.max_attempts
+    if "max_retries" in options:
+        max_retries = options["max_retries"]
+        max_attempts = 2**31 - 1 if max_retries is None else int(max_retries) + 1
+    cap = float(options.get("retry_backoff_max", settings.backoff_cap_seconds))
+    jitter = bool(options.get("retry_jitter", True))
+    backoff = options.get("retry_backoff", settings.backoff_base_seconds)
+    if backoff is False or backoff is None:
+        # Celery without backoff retries after a constant default_retry_delay.
+        base = float(options.get("default_retry_delay", 180))
+        cap = base
+        jitter = bool(options.get("retry_jitter", False))
+    else:
+        base = 1.0 if backoff is True else float(backoff)
+    return RetryPolicy(
+        max_attempts=max_attempts,
+        backoff_base=base,
+        backoff_cap=cap,
+        jitter=jitter,
+        max_defer=timedelta(seconds=settings.max_defer_seconds),
+        retry_on=tuple(options.get("autoretry_for", ()) or ()),
+    )
+
+
+def time_limits(settings: Settings) -> tuple[float, float]:
+    """(soft, hard) limits for delivery tasks: after the worst publish, before the lease ends."""
+    worst = settings.worst_delivery_seconds
+    spare = settings.lease_seconds - worst
+    return worst + 0.25 * spare, worst + 0.5 * spare

@@ -1,0 +1,76 @@
+"""The claimer: leases due rows under the in-flight cap, in one short transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from .. import store
+from ..db import Database
+from ..model import Claimed
+from ..table import OutboxTable
+
+__all__ = ["ClaimResult", "Claimer"]
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    claimed: list[Claimed]
+    # A full batch: more is probably due, keep draining.
+    full: bool
+    # The in-flight cap held the claim back: claim again once deliveries finish.
+    capped: bool
+
+
+class Claimer:
+    """Claims for delivery tasks that count their attempt when they begin.
+
+    Expired leases are not its business (the rescuer's), so a full cap never
+    stops them from being freed. Live leases never exceed ``max_in_flight``:
+    the claim counts them and takes only the room left, under a lock that
+    serializes concurrent claims of the table for that one statement.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        table: OutboxTable,
+        owner: Callable[[], str],
+        batch_size: int,
+        max_in_flight: int | None,
+        lease: timedelta,
+        max_attempts: int,
+    ) -> None:
+        self.db = db
+        self.table = table
+        self.owner = owner
+        self.batch_size = batch_size
+        self.max_in_flight = max_in_flight
+        self.lease = lease
+        self.max_attempts = max_attempts
+
+    def run_once(self) -> ClaimResult:
+        claimed = self.db.run(
+            lambda conn: store.claim(
+                conn,
+                owner=self.owner(),
+                batch=self.batch_size,
+                lease=self.lease,
+                max_attempts=self.max_attempts,
+                max_in_flight=self.max_in_flight,
+                count_attempt=False,
+                rescue_first=False,
+                table=self.table,
+            ),
+            # Never repeat a claim whose COMMIT may have reached the server:
+            # the first batch would sit leased with no task to deliver it.
+            retry=False,
+        )
+        full = len(claimed) >= self.batch_size
+        capped = False
+        if not full and self.max_in_flight is not None:
+            live = self.db.run(lambda conn: store.in_flight(conn, table=self.table))
+            capped = live >= self.max_in_flight
+        return ClaimResult(claimed, full, capped)

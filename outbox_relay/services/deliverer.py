@@ -1,0 +1,339 @@
+"""The deliverer: one delivery step, shared by the Celery tasks and the plain loop.
+
+    begin (fence check) -> publish -> classify -> fenced finalize
+
+* ``begin`` re-reads the chunk under the lease versions the task was given,
+  skips rows no longer ours, and starts (counting the attempt) only rows with
+  lease enough for the chunk's whole worst case: ``ceil(n / concurrency)``
+  waves of one publish timeout each. Rows with less are given back at once.
+* Publishing happens outside any transaction, concurrently (bounded) for a
+  chunk. Before each publish the row's lease is checked again; once a lease
+  is lost or runs short, the rest of that row's chunk is not published.
+* ``classify`` maps each result onto an ``Outcome``; one fenced statement
+  writes the whole chunk. An id the database did not change is a lost lease:
+  someone else holds the row now, and the receiver absorbs the duplicate
+  through the idempotency key.
+* A soft time limit (or any interruption) while a chunk publishes still
+  finalizes what was published and gives back what was not, then re-raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+from .. import store
+from ..db import Database
+from ..model import Claimed, LeaseRef, Message, Outcome
+from ..store.relay import Began
+from ..table import OutboxTable
+from .keeper import Hold, LeaseKeeper
+from .policy import RetryPolicy, classify
+
+__all__ = ["DeliveryReport", "Deliverer", "Observer", "Publisher"]
+
+log = logging.getLogger("outbox_relay.deliverer")
+
+Publisher = Callable[[Message], Any]
+
+
+class Observer(Protocol):
+    """Hooks for metrics and task events; every method must be cheap."""
+
+    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None: ...
+    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None: ...
+    def lost_lease(self, ref: LeaseRef, where: str) -> None: ...
+    def stale(self, ref: LeaseRef, reason: str) -> None: ...
+
+
+class _NoObserver:
+    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
+        pass
+
+    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
+        pass
+
+    def lost_lease(self, ref: LeaseRef, where: str) -> None:
+        pass
+
+    def stale(self, ref: LeaseRef, reason: str) -> None:
+        pass
+
+
+@dataclass
+class DeliveryReport:
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    stale: int = 0
+    released: int = 0
+    lost: int = 0
+    # Ordered messages finished: their aggregates' next messages are due now.
+    ordered_finished: int = 0
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def add(self, other: DeliveryReport) -> None:
+        for name in ("done", "retried", "dead", "stale", "released", "lost", "ordered_finished"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.outcomes.extend(other.outcomes)
+
+
+class _NotPublished:
+    """A publish that never began; the row is given back unpublished."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+_Result = tuple["BaseException | _NotPublished | None", float]
+
+
+@dataclass
+class _Run:
+    """One chunk's publishing state (a Deliverer serves many threads at once)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    futures: list[Future[_Result]] = field(default_factory=list)
+    results: list[_Result] = field(default_factory=list)
+
+
+class Deliverer:
+    """Delivers leased messages: the step every delivery path shares.
+
+    ``count_attempt``: whether ``begin`` counts the attempt. False pairs with
+    ``store.claim``'s default (the claim counted it); the Celery relay claims
+    with ``count_attempt=False`` and counts here, so that a delivery task
+    that never ran costs its row nothing.
+    """
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        *,
+        db: Database,
+        table: OutboxTable | str | None = None,
+        policy: RetryPolicy | None = None,
+        publish_timeout: float = 10.0,
+        idempotency_key_prefix: str = "outbox-",
+        concurrency: int = 8,
+        observer: Observer | None = None,
+        keeper: LeaseKeeper | None = None,
+        count_attempt: bool = False,
+    ) -> None:
+        self.publisher = publisher
+        self.db = db
+        self.table = OutboxTable.parse(table)
+        self.policy = policy or RetryPolicy()
+        self.publish_timeout = publish_timeout
+        self.prefix = idempotency_key_prefix
+        self.concurrency = max(1, concurrency)
+        self.observer: Observer = observer or _NoObserver()
+        self.keeper = keeper
+        self.count_attempt = count_attempt
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def worst_seconds(self, size: int) -> float:
+        """The longest a chunk of ``size`` may publish: its waves x the publish timeout."""
+        return -(-max(size, 1) // self.concurrency) * self.publish_timeout
+
+    # -------------------------------------------------------------- delivery
+    def deliver(self, refs: Sequence[LeaseRef]) -> DeliveryReport:
+        """Begin, publish, classify and finalize one chunk of leased messages."""
+        report = DeliveryReport()
+        worst = self.worst_seconds(len(refs))
+        began = self.db.run(
+            lambda conn: store.begin(
+                conn,
+                refs,
+                needed=timedelta(seconds=worst),
+                count_attempt=self.count_attempt,
+                table=self.table,
+            )
+        )
+        ready, released = self._sort(refs, began, worst, report)
+        hold: Hold | None = None
+        if self.keeper is not None and any(
+            self.keeper.needs_hold(row.lease_left_seconds, worst) for row in ready
+        ):
+            pairs = [(row.claimed.ref, row.lease_left_seconds) for row in ready]
+            hold = self.keeper.hold(pairs, max_hold=worst)
+        interrupted: BaseException | None = None
+        run = _Run()
+        with hold if hold is not None else nullcontext():
+            try:
+                self._publish_all(ready, hold, run)
+            except Exception as exc:  # a soft time limit: finalize, then re-raise
+                interrupted = exc
+                self._collect_after(exc, run)
+        self._finish(ready, run.results, released, report)
+        if interrupted is not None:
+            raise interrupted
+        return report
+
+    def _sort(
+        self,
+        refs: Sequence[LeaseRef],
+        began: dict[int, Began],
+        worst: float,
+        report: DeliveryReport,
+    ) -> tuple[list[Began], list[Outcome]]:
+        ready: list[Began] = []
+        released: list[Outcome] = []
+        seen: set[int] = set()
+        for ref in refs:
+            row = began.get(ref.id)
+            if row is None or row.claimed.lease_version != ref.lease_version or ref.id in seen:
+                report.stale += 1
+                self.observer.stale(ref, "not held under this lease version")
+                log.info("skipping outbox message %s v%s: lease no longer ours", *_pair(ref))
+                continue
+            seen.add(ref.id)
+            if row.started:
+                ready.append(row)
+                continue
+            # Not enough lease left for the whole chunk: give the row back now
+            # rather than publish into a lease that may end midway.
+            released.append(
+                Outcome.retry(
+                    ref,
+                    delay=timedelta(0),
+                    error=f"released unpublished: too little lease left "
+                    f"({row.lease_left_seconds:.1f}s; a delivery may take {worst:g}s)",
+                    # Counted by the claim (count_attempt=False) but never used.
+                    refund_attempt=not self.count_attempt,
+                )
+            )
+            self.observer.stale(ref, "too little lease left")
+        return ready, released
+
+    # ------------------------------------------------------------ publishing
+    def _publish(self, row: Began, hold: Hold | None, stop: threading.Event) -> _Result:
+        msg = row.claimed
+        if stop.is_set():
+            return _NotPublished("the delivery task was interrupted"), 0.0
+        if hold is not None and not hold.alive(msg.ref, self.publish_timeout):
+            return _NotPublished("the chunk's lease was lost or ran short"), 0.0
+        started = time.perf_counter()
+        try:
+            self.publisher(msg.to_message(self.prefix))
+        except Exception as exc:
+            if not self.policy.is_classified(exc):
+                log.error(
+                    "publisher raised an unclassified error for outbox message %s; "
+                    "retrying it as transient",
+                    msg.id,
+                    exc_info=exc,
+                )
+            return exc, time.perf_counter() - started
+        return None, time.perf_counter() - started
+
+    def publish_one(self, row: Began) -> tuple[BaseException | None, float]:
+        """Publish one begun row in this thread (the plain loop's step)."""
+        result, seconds = self._publish(row, None, threading.Event())
+        assert not isinstance(result, _NotPublished)
+        return result, seconds
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self.concurrency, thread_name_prefix="outbox-publish"
+                )
+            return self._executor
+
+    def _publish_all(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
+        if len(rows) <= 1 or self.concurrency == 1:
+            for row in rows:
+                run.results.append(self._publish(row, hold, run.stop))
+            return
+        pool = self._pool()
+        run.futures = [pool.submit(self._publish, row, hold, run.stop) for row in rows]
+        for future in run.futures:
+            run.results.append(future.result())
+
+    def _collect_after(self, exc: BaseException, run: _Run) -> None:
+        """After an interruption: keep what finished; the rest goes back unpublished."""
+        run.stop.set()
+        log.warning("delivery interrupted (%s); finalizing what was published", type(exc).__name__)
+        if not run.futures:
+            return  # inline: the rows without a result are given back by _finish
+        run.results = []
+        for future in run.futures:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                run.results.append(future.result())
+            else:
+                future.cancel()
+                # Possibly still running: if it completes, the receiver sees a
+                # duplicate of a row we give back now (absorbed by its key).
+                run.results.append((_NotPublished("the delivery task was interrupted"), 0.0))
+
+    # -------------------------------------------------------------- finishing
+    def _finish(
+        self,
+        ready: Sequence[Began],
+        results: Sequence[_Result],
+        released: list[Outcome],
+        report: DeliveryReport,
+    ) -> None:
+        # Rows without a result (an inline chunk interrupted before reaching
+        # them) are given back unpublished like the ones skipped on purpose.
+        interrupted = _NotPublished("the delivery task was interrupted")
+        padded = [*results, *[(interrupted, 0.0)] * (len(ready) - len(results))]
+        outcomes = [self._outcome(row, result) for row, (result, _) in zip(ready, padded)]
+        writes = outcomes + released
+        changed = self.db.run(lambda conn: store.finalize(conn, writes, table=self.table))
+        report.released = sum(1 for o in released if o.id in changed)
+        for row, outcome, (result, seconds) in zip(ready, outcomes, padded):
+            if isinstance(result, _NotPublished):
+                report.released += int(outcome.id in changed)
+                continue
+            self.observer.published(row.claimed, outcome, seconds)
+            if outcome.id not in changed:
+                report.lost += 1
+                self.observer.lost_lease(row.claimed.ref, "finalize")
+                log.warning(
+                    "lost lease on outbox message %s v%s: it was published (%s) but another "
+                    "worker holds it now; the receiver de-duplicates on its idempotency key",
+                    row.claimed.id,
+                    row.claimed.lease_version,
+                    outcome.status,
+                )
+                continue
+            self.observer.finalized(row.claimed, outcome, row.age_seconds + seconds)
+            report.outcomes.append(outcome)
+            if outcome.status == "done":
+                report.done += 1
+                report.ordered_finished += int(row.claimed.ordered)
+            elif outcome.status == "dead":
+                report.dead += 1
+            else:
+                report.retried += 1
+
+    def _outcome(self, row: Began, result: BaseException | _NotPublished | None) -> Outcome:
+        if isinstance(result, _NotPublished):
+            return Outcome.retry(
+                row.claimed,
+                delay=timedelta(0),
+                error=f"released unpublished: {result.reason}",
+                # An attempt was counted (by begin or the claim) and never used.
+                refund_attempt=True,
+            )
+        return classify(result, row.claimed, self.policy, age_seconds=row.age_seconds)
+
+    def close(self) -> None:
+        with self._executor_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+
+
+def _pair(ref: LeaseRef) -> tuple[int, int]:
+    return ref.id, ref.lease_version

@@ -1,0 +1,162 @@
+"""Driving the services without Celery: ``dispatch_once`` and ``RelayLoop``.
+
+``dispatch_once`` is the articles' loop, for people who run their own
+process: claim, publish each message, one finalize per message. ``RelayLoop``
+drives the same services the Celery tasks drive (rescuer, claimer,
+deliverer, purger), each on its own interval, in one plain thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from .. import store
+from ..db import DirectDatabase
+from ..store.relay import Began
+from ..table import OutboxTable
+from .claimer import Claimer
+from .deliverer import Deliverer, DeliveryReport, Publisher
+from .policy import RetryPolicy, classify
+from .purger import Purger
+from .rescuer import Rescuer
+
+__all__ = ["RelayLoop", "dispatch_once"]
+
+log = logging.getLogger("outbox_relay.loop")
+
+
+def dispatch_once(
+    conn: psycopg.Connection[Any],
+    publisher: Publisher,
+    *,
+    owner: str,
+    batch: int = 50,
+    lease: timedelta = timedelta(seconds=60),
+    max_attempts: int = 12,
+    ordered: bool | Iterable[str] = False,
+    table: OutboxTable | str | None = None,
+    policy: RetryPolicy | None = None,
+    publish_timeout: float = 10.0,
+    idempotency_key_prefix: str = "outbox-",
+) -> int:
+    """Claim one batch and deliver it in this process, without Celery.
+
+    Messages are published one by one; each is finalized as soon as it is
+    published, so a crash mid-batch repeats as little as possible. Returns the
+    number of messages claimed (0 means the queue had nothing due). When
+    ``policy`` is given, its ``max_attempts`` wins over ``max_attempts``.
+    """
+    policy = policy or RetryPolicy(max_attempts=max_attempts)
+    started = time.monotonic()
+    claimed = store.claim(
+        conn,
+        owner=owner,
+        batch=batch,
+        lease=lease,
+        max_attempts=policy.max_attempts,
+        ordered=ordered,
+        table=table,
+    )
+    deliverer = Deliverer(
+        publisher,
+        db=DirectDatabase(conn),
+        table=table,
+        policy=policy,
+        publish_timeout=publish_timeout,
+        idempotency_key_prefix=idempotency_key_prefix,
+        concurrency=1,
+    )
+    lease_seconds = lease.total_seconds()
+    for msg in claimed:
+        # The lease was measured by the database at the claim; the monotonic
+        # clock only tells how long ago that was.
+        left = lease_seconds - (time.monotonic() - started)
+        if left < publish_timeout:
+            store.reschedule(
+                conn,
+                msg,
+                delay=timedelta(0),
+                error="released unpublished: too little lease left to publish",
+                refund_attempt=True,
+                table=table,
+            )
+            continue
+        age = 0.0
+        if msg.created_at is not None and msg.lease_until is not None:
+            age = max(0.0, (msg.lease_until - msg.created_at).total_seconds() - lease_seconds)
+        exc, _ = deliverer.publish_one(Began(msg, left, age))
+        outcome = classify(exc, msg, policy, age_seconds=age)
+        if not store.finalize(conn, [outcome], table=table):
+            log.warning("lost lease on outbox message %s v%s", msg.id, msg.lease_version)
+    return len(claimed)
+
+
+@dataclass
+class _Every:
+    seconds: float
+    last: float = float("-inf")
+
+    def due(self, now: float) -> bool:
+        if now - self.last >= self.seconds:
+            self.last = now
+            return True
+        return False
+
+
+class RelayLoop:
+    """The relay in one thread: rescue, claim, deliver in chunks, purge."""
+
+    def __init__(
+        self,
+        *,
+        claimer: Claimer,
+        deliverer: Deliverer,
+        rescuer: Rescuer,
+        purger: Purger | None = None,
+        chunk_size: int = 50,
+        claim_interval: float = 1.0,
+        rescue_interval: float = 5.0,
+        purge_interval: float = 3600.0,
+    ) -> None:
+        self.claimer = claimer
+        self.deliverer = deliverer
+        self.rescuer = rescuer
+        self.purger = purger
+        self.chunk_size = max(1, chunk_size)
+        self.claim_interval = claim_interval
+        self._rescue = _Every(rescue_interval)
+        self._purge = _Every(purge_interval)
+        self.report = DeliveryReport()
+
+    def run_once(self) -> int:
+        """One round; returns how many rows it claimed (0: nothing was due)."""
+        now = time.monotonic()
+        if self._rescue.due(now):
+            self.rescuer.run_once()
+        if self.purger is not None and self._purge.due(now):
+            self.purger.run_once()
+        result = self.claimer.run_once()
+        claimed = result.claimed
+        for i in range(0, len(claimed), self.chunk_size):
+            chunk = claimed[i : i + self.chunk_size]
+            self.report.add(self.deliverer.deliver([c.ref for c in chunk]))
+        return len(claimed)
+
+    def run(self, stop: threading.Event) -> None:
+        """Until ``stop`` is set; a round that claimed nothing waits a claim interval."""
+        while not stop.is_set():
+            try:
+                claimed = self.run_once()
+            except Exception:
+                log.exception("relay round failed; trying again after the claim interval")
+                claimed = 0
+            if not claimed:
+                stop.wait(self.claim_interval)

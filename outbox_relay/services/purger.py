@@ -1,0 +1,39 @@
+"""The purger: deletes finished rows past their retention, in bounded batches."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from .. import store
+from ..db import Database
+from ..table import OutboxTable
+
+__all__ = ["Purger"]
+
+
+class Purger:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        table: OutboxTable,
+        older_than: timedelta,
+        batch_size: int = 5000,
+        max_batches: int = 100,
+    ) -> None:
+        self.db = db
+        self.table = table
+        self.older_than = older_than
+        self.batch_size = batch_size
+        self.max_batches = max_batches
+
+    def run_once(self) -> store.PurgeResult:
+        return self.db.run(
+            lambda conn: store.purge(
+                conn,
+                older_than=self.older_than,
+                batch_size=self.batch_size,
+                max_batches=self.max_batches,
+                table=self.table,
+            )
+        )

@@ -1,0 +1,11 @@
+-- Ordering is a property of the row, written by the producer.
+--
+-- The producer that takes an aggregate's advisory lock (so that id order
+-- equals commit order within the aggregate) marks the row ordered; the relay
+-- claims a marked row only when no earlier marked row of its aggregate is
+-- unfinished. The relay therefore never orders rows differently from how
+-- they were written, whatever either side was configured with.
+--
+-- Rows written before this migration are unmarked (unordered); a relay that
+-- must keep ordering them can pass their event types to claim(ordered=...).
+ALTER TABLE {table} ADD COLUMN ordered boolean NOT NULL DEFAULT false;

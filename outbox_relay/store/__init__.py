@@ -1,0 +1,63 @@
+"""The store: the only code that runs SQL.
+
+Every statement the package sends goes through one of these modules, each
+a thin layer over the named queries in ``outbox_relay/sql/*.sql``:
+
+* ``relay``: the hot path (claim, begin, finalize, renew, rescue);
+* ``schema``: migrations and start-up checks;
+* ``producer``: the producer's insert, ordering lock and NOTIFY;
+* ``ops``: what operators run (status, dead letters, purge, gauges);
+* ``inbox``: the consumer-side de-duplication table.
+
+Each function takes a psycopg connection, an optional ``table`` (default
+``public.outbox``) and, where time matters, an optional ``now`` so tests can
+move the clock; production passes no ``now`` and the database's clock decides.
+"""
+
+from __future__ import annotations
+
+from ._base import MAX_ERROR_LENGTH, statement_tx
+from .interim import PurgeResult, get_row, purge, stats
+from .relay import (
+    Began,
+    Rescued,
+    begin,
+    claim,
+    extend_lease,
+    extend_leases,
+    finalize,
+    in_flight,
+    mark_dead,
+    mark_done,
+    reap,
+    reschedule,
+    rescue,
+)
+from .schema import applied_migrations, listen, migrate, missing_migrations, table_exists
+
+__all__ = [
+    "MAX_ERROR_LENGTH",
+    "Began",
+    "PurgeResult",
+    "Rescued",
+    "applied_migrations",
+    "begin",
+    "claim",
+    "extend_lease",
+    "extend_leases",
+    "finalize",
+    "get_row",
+    "in_flight",
+    "listen",
+    "mark_dead",
+    "mark_done",
+    "migrate",
+    "missing_migrations",
+    "purge",
+    "reap",
+    "reschedule",
+    "rescue",
+    "stats",
+    "statement_tx",
+    "table_exists",
+]

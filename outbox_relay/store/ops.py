@@ -1,0 +1,389 @@
+"""What operators run: status, dead letters, retention, metrics gauges, grants.
+
+The statements behind ``outbox-relay`` (the CLI), the metrics exporter, the
+purge task and the demo; their SQL is ``sql/operations.sql``. None is on the
+delivery hot path. ``outbox_relay.operations`` is the same API under the name
+operators import.
+
+Only ``dead`` rows are touched by the dead-letter functions, and none of them
+changes ``lease_version``: it is the fencing token and only ever grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from ..table import OutboxTable
+from ._base import MAX_ERROR_LENGTH, TableLike, queries, statement_tx
+
+__all__ = [
+    "STATS_KEYS",
+    "DeadFilter",
+    "DeadRow",
+    "PurgeResult",
+    "QueueGauges",
+    "RoleKind",
+    "attempts_distribution",
+    "create_demo_orders",
+    "dead_list",
+    "dead_retry",
+    "dead_skip",
+    "gauges",
+    "get_row",
+    "grants",
+    "insert_demo_order",
+    "purge",
+    "stats",
+    "status",
+]
+
+RoleKind = Literal["producer", "relay"]
+STATS_KEYS = (
+    "pending",
+    "processing",
+    "done",
+    "dead",
+    "oldest_pending_age_seconds",
+    "expired_leases",
+)
+
+
+# ---------------------------------------------------------------- status
+def _read_stats(
+    conn: psycopg.Connection[Any],
+    table: OutboxTable,
+    now: datetime | None,
+    exact_done_below: int | None,
+) -> dict[str, Any]:
+    params = {
+        "now": now,
+        "schema": table.schema,
+        "name": table.name,
+        "exact_done_below": exact_done_below,
+    }
+    cur = conn.execute(queries(table).op_stats, params)
+    row = cur.fetchone()
+    assert row is not None  # an aggregate always returns one row
+    return dict(zip([d.name for d in cur.description or []], row))
+
+
+def stats(
+    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
+) -> dict[str, Any]:
+    """Exact counts per status, ``oldest_pending_age_seconds`` and ``expired_leases``."""
+    outbox = OutboxTable.parse(table)
+    with statement_tx(conn):
+        found = _read_stats(conn, outbox, now, exact_done_below=None)
+    return {key: found[key] for key in STATS_KEYS}
+
+
+def get_row(
+    conn: psycopg.Connection[Any], message_id: int, *, table: TableLike = None
+) -> dict[str, Any] | None:
+    """One row with every column, or None."""
+    with statement_tx(conn):
+        cur = conn.execute(queries(table).op_get_row, {"id": message_id})
+        row = cur.fetchone()
+        names = [d.name for d in cur.description or []]
+    return dict(zip(names, row)) if row else None
+
+
+def attempts_distribution(
+    conn: psycopg.Connection[Any], *, table: TableLike = None
+) -> dict[int, int]:
+    """``{attempts: messages}`` over the pending and processing rows."""
+    with statement_tx(conn):
+        rows = conn.execute(queries(table).op_attempts_distribution).fetchall()
+    return {int(attempts): int(n) for attempts, n in rows}
+
+
+def status(
+    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
+) -> dict[str, Any]:
+    """What ``outbox-relay status --json`` prints: ``stats()`` plus ``attempts``
+    (an object keyed by the attempt count as a string, as JSON needs)."""
+    found = stats(conn, table=table, now=now)
+    attempts = attempts_distribution(conn, table=table)
+    return {
+        **{key: int(found[key]) for key in ("pending", "processing", "done", "dead")},
+        "oldest_pending_age_seconds": float(found["oldest_pending_age_seconds"]),
+        "expired_leases": int(found["expired_leases"]),
+        "attempts": {str(k): v for k, v in sorted(attempts.items())},
+    }
+
+
+# ---------------------------------------------------------------- dead letters
+@dataclass(frozen=True)
+class DeadFilter:
+    """Which dead rows to act on; ``None`` fields match everything.
+
+    ``older_than`` compares ``created_at``: the table records when a message
+    was written, not when it died.
+    """
+
+    event_type: str | None = None
+    aggregate_type: str | None = None
+    aggregate_id: str | None = None
+    older_than: timedelta | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "event_type": self.event_type,
+            "aggregate_type": self.aggregate_type,
+            "aggregate_id": self.aggregate_id,
+            "older_than": self.older_than,
+        }
+
+
+@dataclass(frozen=True)
+class DeadRow:
+    """One dead message as ``dead list`` shows it (payloads stay in the database:
+    they may hold personal data, and the id is enough to look one up)."""
+
+    id: int
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    attempts: int
+    lease_version: int
+    created_at: datetime
+    last_error: str | None
+    operation_key: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "aggregate_type": self.aggregate_type,
+            "aggregate_id": self.aggregate_id,
+            "event_type": self.event_type,
+            "attempts": self.attempts,
+            "lease_version": self.lease_version,
+            "created_at": self.created_at.isoformat(),
+            "last_error": self.last_error,
+            "operation_key": self.operation_key,
+        }
+
+
+def dead_list(
+    conn: psycopg.Connection[Any],
+    *,
+    where: DeadFilter | None = None,
+    limit: int = 50,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[DeadRow]:
+    """Dead messages matching ``where``, by id, at most ``limit``."""
+    params = {**(where or DeadFilter()).params(), "limit": max(0, limit), "now": now}
+    with statement_tx(conn):
+        rows = conn.execute(queries(table).op_dead_list, params).fetchall()
+    return [DeadRow(*row) for row in rows]
+
+
+def _changed_and_notified(
+    conn: psycopg.Connection[Any], query: str, params: dict[str, Any], table: TableLike
+) -> list[int]:
+    with conn.transaction():
+        rows = conn.execute(query, params).fetchall()
+        if rows:
+            # Wake LISTENing workers now rather than at the next beat tick:
+            # retried rows are due, and a skipped head frees its successors.
+            outbox = OutboxTable.parse(table)
+            conn.execute(queries(outbox).notify, {"channel": outbox.channel})
+    return sorted(int(r[0]) for r in rows)
+
+
+def dead_retry(
+    conn: psycopg.Connection[Any],
+    ids: Collection[int] | None = None,
+    *,
+    all_dead: bool = False,
+    where: DeadFilter | None = None,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[int]:
+    """Send dead rows back to ``pending``, due now, with ``attempts`` reset to 0.
+
+    Give ``ids``, or ``all_dead=True`` (every dead row, narrowed by ``where``).
+    ``last_error`` is kept: it says why the row died until the next attempt
+    records its own result. Returns the ids changed; an id missing from the
+    result was not dead (or does not exist).
+    """
+    if all_dead and ids is not None:
+        raise ValueError("give dead_retry ids or all_dead=True, not both")
+    if not all_dead and ids is None:
+        raise ValueError("give dead_retry the ids to retry, or all_dead=True")
+    if ids is not None and not ids:
+        return []
+    params = {
+        **(where or DeadFilter()).params(),
+        "ids": None if ids is None else sorted({int(i) for i in ids}),
+        "now": now,
+    }
+    return _changed_and_notified(conn, queries(table).op_dead_retry, params, table)
+
+
+def dead_skip(
+    conn: psycopg.Connection[Any],
+    ids: Collection[int],
+    *,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[int]:
+    """Mark dead rows ``done`` without delivering them (unblocks an ordered aggregate).
+
+    ``last_error`` records that an operator skipped the row; it is never sent.
+    Returns the ids changed.
+    """
+    if not ids:
+        return []
+    params = {"ids": sorted({int(i) for i in ids}), "max_error": MAX_ERROR_LENGTH, "now": now}
+    return _changed_and_notified(conn, queries(table).op_dead_skip, params, table)
+
+
+# ---------------------------------------------------------------- retention
+@dataclass(frozen=True)
+class PurgeResult:
+    deleted: int
+    batches: int
+    cutoff: datetime
+
+
+def purge(
+    conn: psycopg.Connection[Any],
+    *,
+    older_than: timedelta,
+    batch_size: int = 5000,
+    max_batches: int | None = None,
+    table: TableLike = None,
+    now: datetime | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> PurgeResult:
+    """Delete ``done`` rows whose ``done_at`` is older than ``older_than``.
+
+    Works in batches of ``batch_size`` rows, each committed on its own, so no
+    statement holds many locks or writes a burst of WAL, and concurrent
+    purges share the work (SKIP LOCKED). Stops when a batch comes back short,
+    or after ``max_batches`` (a periodic task then continues next run).
+    ``on_batch`` is called with each batch's count. Only ``done`` rows are
+    ever deleted: pending, processing and dead rows are not retention's
+    business.
+
+    Needs a connection outside a transaction: inside one, the batches would
+    be savepoints of a single long transaction, which defeats the point.
+    """
+    if batch_size <= 0:
+        raise ValueError("batch_size must be greater than 0")
+    if older_than < timedelta(0):
+        raise ValueError("older_than must not be negative")
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise ValueError("purge commits batch by batch: call it outside a transaction")
+    q = queries(table)
+    with conn.transaction():
+        row = conn.execute(q.op_purge_cutoff, {"now": now, "older_than": older_than}).fetchone()
+    assert row is not None
+    cutoff: datetime = row[0]
+    deleted = batches = 0
+    while max_batches is None or batches < max_batches:
+        with conn.transaction():
+            cur = conn.execute(q.op_purge_done, {"cutoff": cutoff, "batch": batch_size})
+        batches += 1
+        count = max(cur.rowcount, 0)
+        deleted += count
+        if on_batch is not None:
+            on_batch(count)
+        if count < batch_size:
+            break
+    return PurgeResult(deleted=deleted, batches=batches, cutoff=cutoff)
+
+
+# ---------------------------------------------------------------- metrics
+@dataclass(frozen=True)
+class QueueGauges:
+    """The database side of the metrics, read in one scrape."""
+
+    pending: int
+    processing: int
+    done: int
+    dead: int
+    expired_leases: int
+    oldest_pending_age_seconds: float
+    done_estimated: bool
+
+
+def gauges(
+    conn: psycopg.Connection[Any],
+    *,
+    table: TableLike = None,
+    exact_done_below: int = 100_000,
+    timeout_ms: int = 5000,
+    now: datetime | None = None,
+) -> QueueGauges:
+    """Counts for a metrics scrape, cheap however many rows are done.
+
+    The same query as ``stats()``, except that ``done`` is counted exactly
+    only while the table holds fewer than ``exact_done_below`` rows (by the
+    planner's estimate), and above that estimated as ``pg_class.reltuples``
+    minus the other statuses, which autovacuum keeps within a few percent.
+    """
+    outbox = OutboxTable.parse(table)
+    with conn.transaction():
+        # A scrape must never pile up behind a lock or a slow disk.
+        conn.execute(queries(outbox).op_scrape_timeout, {"timeout": f"{int(timeout_ms)}ms"})
+        found = _read_stats(conn, outbox, now, exact_done_below=exact_done_below)
+    unfinished = int(found["pending"]) + int(found["processing"]) + int(found["dead"])
+    estimated = found["done"] is None
+    done = max(int(found["reltuples"]) - unfinished, 0) if estimated else int(found["done"])
+    return QueueGauges(
+        pending=int(found["pending"]),
+        processing=int(found["processing"]),
+        done=done,
+        dead=int(found["dead"]),
+        expired_leases=int(found["expired_leases"]),
+        oldest_pending_age_seconds=float(found["oldest_pending_age_seconds"]),
+        done_estimated=estimated,
+    )
+
+
+# ---------------------------------------------------------------- grants
+def grants(role: str, kind: RoleKind, *, table: TableLike = None) -> str:
+    """The least-privilege GRANT statements for ``role``, as SQL text to review.
+
+    ``producer``: what ``enqueue`` needs. ``relay``: what workers, beat and
+    the operator commands need. The role is quoted as an identifier, so any
+    name is safe to pass. Nothing is executed.
+    """
+    if kind not in ("producer", "relay"):
+        raise ValueError(f"kind must be 'producer' or 'relay', not {kind!r}")
+    if not role:
+        raise ValueError("role must not be empty")
+    q = queries(table)
+    text = q.op_grant_producer if kind == "producer" else q.op_grant_relay
+    # The role is filled in by a second pass: the first (the query loader)
+    # only knows the table's identifiers and left {role} in place.
+    return sql.SQL(text).format(role=sql.Identifier(role)).as_string() + ";\n"
+
+
+# ---------------------------------------------------------------- demo shop
+def create_demo_orders(conn: psycopg.Connection[Any], *, table: TableLike = None) -> str:
+    """``outbox-relay demo``: the shop's orders table beside ``table``; returns its name."""
+    outbox = OutboxTable.parse(table)
+    with statement_tx(conn):
+        conn.execute(queries(outbox).op_demo_orders_create)
+    return f"{outbox.schema}.demo_orders"
+
+
+def insert_demo_order(
+    conn: psycopg.Connection[Any], *, customer: str, total_cents: int, table: TableLike = None
+) -> int:
+    """One demo order, in the caller's transaction (with its outbox event); its id."""
+    params = {"customer": customer, "total_cents": total_cents}
+    row = conn.execute(queries(table).op_demo_order_insert, params).fetchone()
+    assert row is not None
+    return int(row[0])

@@ -1,0 +1,53 @@
+"""The producer's statements: insert, the ordering lock, NOTIFY."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from ..errors import OperationKeyConflict
+from ..table import OutboxTable
+from ._base import queries
+
+__all__ = ["insert_messages"]
+
+
+def insert_messages(
+    conn: psycopg.Connection[Any],
+    rows: Sequence[dict[str, Any]],
+    *,
+    table: OutboxTable,
+    lock_keys: Sequence[str],
+    notify: bool,
+) -> list[int]:
+    """Insert validated rows in one (nested) transaction; return their ids in order.
+
+    ``lock_keys`` are the ordered aggregates' advisory-lock keys, taken first
+    and in sorted order: two transactions that write aggregates A, B and B, A
+    then queue instead of deadlocking.
+    """
+    q = queries(table)
+    ids: list[int] = []
+    with conn.transaction(), conn.cursor() as cur:
+        for key in sorted(set(lock_keys)):
+            cur.execute(q.advisory_lock, {"key": key})
+        for params in rows:
+            cur.execute(q.insert, params)
+            row = cur.fetchone()
+            if row is not None:
+                ids.append(int(row[0]))
+                continue
+            # The operation key exists: the same content is the same
+            # operation (return its id); anything else is a mistake.
+            cur.execute(q.insert_conflict, params)
+            existing = cur.fetchone()
+            if existing is None:  # pragma: no cover - the key's row vanished meanwhile
+                raise OperationKeyConflict(params["operation_key"], -1)
+            if not existing[1]:
+                raise OperationKeyConflict(params["operation_key"], int(existing[0]))
+            ids.append(int(existing[0]))
+        if notify:
+            cur.execute(q.notify, {"channel": table.channel})
+    return ids
