@@ -1,13 +1,14 @@
-"""Where the outbox lives: a validated schema and table name.
+"""Where the outbox and the inbox live: validated schema and table names.
 
 Names are checked against a conservative pattern *and* always quoted with
 ``psycopg.sql.Identifier`` when they reach SQL, so a configuration value can
-never smuggle SQL in.
+never smuggle SQL in. Both tables go through the one checker below.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 
@@ -15,23 +16,29 @@ from psycopg import sql
 
 from .errors import InvalidIdentifier
 
-__all__ = ["OutboxTable"]
+__all__ = ["InboxTable", "OutboxTable", "check_identifier"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Index names are the table name plus a suffix of up to 16 characters and must
 # fit PostgreSQL's 63-byte identifier limit.
 _MAX_TABLE_NAME = 40
 _MAX_SCHEMA_NAME = 63
+# The inbox's retention index is its name plus "_received".
+_MAX_INBOX_NAME = 63 - len("_received")
 
 
-def _check(kind: str, value: str, limit: int) -> str:
+def check_identifier(what: str, kind: str, value: str, limit: int) -> str:
+    """``value`` if it is a safe ``what`` (outbox, inbox) ``kind`` (table, schema) name.
+
+    Errors quote the name with ``repr`` so that a blank or odd name is visible.
+    """
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise InvalidIdentifier(
-            f"invalid outbox {kind} name {value!r}: use letters, digits and underscores, "
+            f"invalid {what} {kind} name {value!r}: use letters, digits and underscores, "
             "not starting with a digit"
         )
     if len(value) > limit:
-        raise InvalidIdentifier(f"outbox {kind} name {value!r} is longer than {limit} characters")
+        raise InvalidIdentifier(f"{what} {kind} name {value!r} is longer than {limit} characters")
     return value
 
 
@@ -43,8 +50,8 @@ class OutboxTable:
     schema: str = "public"
 
     def __post_init__(self) -> None:
-        _check("table", self.name, _MAX_TABLE_NAME)
-        _check("schema", self.schema, _MAX_SCHEMA_NAME)
+        check_identifier("outbox", "table", self.name, _MAX_TABLE_NAME)
+        check_identifier("outbox", "schema", self.schema, _MAX_SCHEMA_NAME)
 
     @classmethod
     def parse(cls, value: str | OutboxTable | None) -> OutboxTable:
@@ -93,3 +100,48 @@ class OutboxTable:
     def lock_key(self) -> str:
         """Text hashed into advisory-lock keys that belong to this table."""
         return f"outbox_relay:{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True)
+class InboxTable:
+    """Where a consumer's inbox lives. By default beside the outbox: ``public.outbox_inbox``."""
+
+    name: str = "outbox_inbox"
+    schema: str = "public"
+
+    def __post_init__(self) -> None:
+        check_identifier("inbox", "table", self.name, _MAX_INBOX_NAME)
+        check_identifier("inbox", "schema", self.schema, _MAX_SCHEMA_NAME)
+
+    @classmethod
+    def beside(cls, outbox: OutboxTable | str | None = None) -> InboxTable:
+        """The inbox of an outbox table (``schema.<outbox>_inbox``)."""
+        table = OutboxTable.parse(outbox)
+        return cls(name=f"{table.name}_inbox", schema=table.schema)
+
+    @classmethod
+    def parse(cls, value: InboxTable | str | None) -> InboxTable:
+        """None: beside ``OUTBOX_TABLE`` (default ``outbox``); ``"[schema.]table"``: that table."""
+        if value is None:
+            # A consumer process often has no outbox settings of its own; the
+            # environment it shares with the producer names the outbox.
+            return cls.beside(os.environ.get("OUTBOX_TABLE") or None)
+        if isinstance(value, InboxTable):
+            return value
+        if not isinstance(value, str):
+            raise InvalidIdentifier(f"inbox table must be a string, not {type(value).__name__}")
+        schema, dot, name = value.rpartition(".")
+        return cls(name=name, schema=schema) if dot else cls(name=name)
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def identifier(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.name)
+
+    @property
+    def lock_key(self) -> str:
+        """Text hashed into the advisory lock that serializes creating this inbox."""
+        return f"outbox_relay:inbox:{self.qualified}"

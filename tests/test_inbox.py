@@ -288,3 +288,44 @@ def test_message_id_from_a_celery_request() -> None:
         inbox.message_id_from_request(SimpleNamespace(id=None, headers={"outbox-id": 12})) == "12"
     )
     assert inbox.message_id_from_request(SimpleNamespace(id=None, headers={})) is None
+
+
+def _record(message: outbox_relay.Message) -> None:
+    """A publisher for the install() below; never called (no worker runs)."""
+
+
+def test_inbox_task_finds_the_dsn_of_an_installed_app(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``install(app, dsn=...)`` is enough: the consumer's inbox uses that database,
+    ahead of OUTBOX_DSN in the environment (which install() overrides for the relay too)."""
+    from celery import Celery
+
+    for name in ("OUTBOX_DSN", "OUTBOX_INBOX_DSN", "OUTBOX_TABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OUTBOX_DSN", "postgresql://nobody@127.0.0.1:1/elsewhere")
+    app = Celery("inbox_install", broker="memory://", set_as_current=False)
+    outbox_relay.install(app, dsn=dsn, publisher=_record, beat=False)
+    assert app.outbox_relay.dsn == dsn
+
+    @inbox.inbox_task(app, consumer="billing", name="tests.inbox.charge")
+    def charge(amount: int) -> int:
+        inbox.current_connection().execute(
+            "INSERT INTO effects VALUES (%s, %s)", (charge.request.id, amount)
+        )
+        return amount
+
+    assert charge._inbox_dsn() == dsn
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(EFFECTS)
+    # Called as the worker would, with a request carrying the message id: the
+    # body runs once, through the installed app's database.
+    charge.push_request(id="order-7-paid", headers={})
+    try:
+        assert charge(7) == 7
+        assert charge(7) is None
+    finally:
+        charge.pop_request()
+    with psycopg.connect(dsn) as conn:
+        assert _effects(conn) == [("order-7-paid", 7)]
+        assert inbox.seen(conn, consumer="billing", message_id="order-7-paid")
