@@ -50,9 +50,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from . import operations
-from .model import Claimed, LeaseRef
-from .model import Outcome
+from .model import Claimed, LeaseRef, Outcome
+from .store import ops
 from .table import OutboxTable
 
 __all__ = [
@@ -238,14 +237,14 @@ class OutboxCollector:
             application_name="outbox-relay-metrics",
         )
 
-    def read(self) -> operations.QueueGauges:
+    def read(self) -> ops.QueueGauges:
         """One reading; raises ``psycopg.Error`` when the database cannot answer."""
         with self._lock:
             for attempt in (1, 2):
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
                 try:
-                    return operations.gauges(
+                    return ops.gauges(
                         self._conn,
                         table=self.table,
                         exact_done_below=self.exact_done_below,

@@ -1,29 +1,40 @@
-"""Operator actions on the outbox: dead letters, retention, status, grants.
+"""Operator actions on the outbox: status, dead letters, retention, gauges, grants.
 
-The store-level functions behind ``outbox-relay`` (the CLI) and the metrics
-exporter, beside ``store.py`` which keeps the delivery hot path. Their SQL is
-in ``sql/operations.sql``. Like the store, each function runs in its own short
-transaction (a savepoint inside a caller's), takes an optional ``table``
-(default ``public.outbox``) and, where time matters, an optional ``now``.
+The Python side of ``outbox-relay status``, ``dead list|retry|skip``,
+``purge`` and ``grant``, for scripts and admin views. The functions are the
+store's (``outbox_relay/store/ops.py``, SQL in ``sql/operations.sql``): like
+every store call, each runs in its own short transaction (a savepoint inside
+a caller's), takes an optional ``table`` (default ``public.outbox``) and,
+where time matters, an optional ``now``.
 
-Only ``dead`` rows are touched by the dead-letter functions, and none of them
-changes ``lease_version``: it is the fencing token and only ever grows.
+Also here: ``status_table``, how a person sees ``status()``, shared by
+``outbox-relay status`` and the demo's closing report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-from psycopg import sql
-from psycopg.pq import TransactionStatus
+from .store.ops import (
+    DeadFilter,
+    DeadRow,
+    PurgeResult,
+    QueueGauges,
+    RoleKind,
+    attempts_distribution,
+    dead_list,
+    dead_retry,
+    dead_skip,
+    gauges,
+    get_row,
+    grants,
+    purge,
+    stats,
+    status,
+)
 
-from . import store
-from .sql.queries import Queries, queries_for
-from .table import OutboxTable
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = [
     "DeadFilter",
@@ -36,309 +47,47 @@ __all__ = [
     "dead_retry",
     "dead_skip",
     "gauges",
+    "get_row",
     "grants",
+    "human_duration",
     "purge",
+    "stats",
     "status",
+    "status_table",
 ]
 
-TableLike = OutboxTable | str | None
-RoleKind = Literal["producer", "relay"]
+
+def human_duration(seconds: float) -> str:
+    """``2d 03h 04m``, ``1h 00m 05s``, ``4m 09s`` or ``3.2s``."""
+    whole = int(seconds)
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{seconds:.1f}s"
 
 
-def _queries(table: TableLike) -> Queries:
-    return queries_for(OutboxTable.parse(table))
+def status_table(snapshot: dict[str, Any]) -> Table:
+    """``status()`` as a table for a terminal."""
+    # Imported here: scripts and workers that import this module for purge()
+    # or dead_retry() never render anything.
+    from rich.table import Table
 
-
-# ---------------------------------------------------------------- status
-def attempts_distribution(
-    conn: psycopg.Connection[Any], *, table: TableLike = None
-) -> dict[int, int]:
-    """``{attempts: messages}`` over the pending and processing rows."""
-    with store.statement_tx(conn):
-        rows = conn.execute(_queries(table).op_attempts_distribution).fetchall()
-    return {int(attempts): int(n) for attempts, n in rows}
-
-
-def status(
-    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
-) -> dict[str, Any]:
-    """What ``outbox-relay status --json`` prints: exact counts per status,
-    ``oldest_pending_age_seconds``, ``expired_leases`` and ``attempts`` (an
-    object keyed by the attempt count as a string, as JSON needs)."""
-    stats = store.stats(conn, table=table, now=now)
-    attempts = attempts_distribution(conn, table=table)
-    return {
-        "pending": int(stats["pending"]),
-        "processing": int(stats["processing"]),
-        "done": int(stats["done"]),
-        "dead": int(stats["dead"]),
-        "oldest_pending_age_seconds": float(stats["oldest_pending_age_seconds"]),
-        "expired_leases": int(stats["expired_leases"]),
-        "attempts": {str(k): v for k, v in sorted(attempts.items())},
-    }
-
-
-# ---------------------------------------------------------------- dead letters
-@dataclass(frozen=True)
-class DeadFilter:
-    """Which dead rows to act on; ``None`` fields match everything.
-
-    ``older_than`` compares ``created_at``: the table records when a message
-    was written, not when it died.
-    """
-
-    event_type: str | None = None
-    aggregate_type: str | None = None
-    aggregate_id: str | None = None
-    older_than: timedelta | None = None
-
-    def params(self) -> dict[str, Any]:
-        return {
-            "event_type": self.event_type,
-            "aggregate_type": self.aggregate_type,
-            "aggregate_id": self.aggregate_id,
-            "older_than": self.older_than,
-        }
-
-
-@dataclass(frozen=True)
-class DeadRow:
-    """One dead message as ``dead list`` shows it (payloads stay in the database:
-    they may hold personal data, and the id is enough to look one up)."""
-
-    id: int
-    aggregate_type: str
-    aggregate_id: str
-    event_type: str
-    attempts: int
-    lease_version: int
-    created_at: datetime
-    last_error: str | None
-    operation_key: str | None
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "aggregate_type": self.aggregate_type,
-            "aggregate_id": self.aggregate_id,
-            "event_type": self.event_type,
-            "attempts": self.attempts,
-            "lease_version": self.lease_version,
-            "created_at": self.created_at.isoformat(),
-            "last_error": self.last_error,
-            "operation_key": self.operation_key,
-        }
-
-
-def dead_list(
-    conn: psycopg.Connection[Any],
-    *,
-    where: DeadFilter | None = None,
-    limit: int = 50,
-    table: TableLike = None,
-    now: datetime | None = None,
-) -> list[DeadRow]:
-    """Dead messages matching ``where``, by id, at most ``limit``."""
-    params = {**(where or DeadFilter()).params(), "limit": max(0, limit), "now": now}
-    with store.statement_tx(conn):
-        rows = conn.execute(_queries(table).op_dead_list, params).fetchall()
-    return [DeadRow(*row) for row in rows]
-
-
-def _notify(conn: psycopg.Connection[Any], table: TableLike) -> None:
-    # Wake LISTENing workers now rather than at the next beat tick: retried
-    # rows are due, and a skipped head makes its successors claimable.
-    outbox = OutboxTable.parse(table)
-    conn.execute(queries_for(outbox).notify, {"channel": outbox.channel})
-
-
-def dead_retry(
-    conn: psycopg.Connection[Any],
-    ids: Collection[int] | None = None,
-    *,
-    all_dead: bool = False,
-    where: DeadFilter | None = None,
-    table: TableLike = None,
-    now: datetime | None = None,
-) -> list[int]:
-    """Send dead rows back to ``pending``, due now, with ``attempts`` reset to 0.
-
-    Give ``ids``, or ``all_dead=True`` (every dead row, narrowed by ``where``).
-    ``last_error`` is kept: it says why the row died until the next attempt
-    records its own result. Returns the ids changed; an id missing from the
-    result was not dead (or does not exist).
-    """
-    if all_dead and ids is not None:
-        raise ValueError("give dead_retry ids or all_dead=True, not both")
-    if not all_dead and ids is None:
-        raise ValueError("give dead_retry the ids to retry, or all_dead=True")
-    if ids is not None and not ids:
-        return []
-    params = {
-        **(where or DeadFilter()).params(),
-        "ids": None if ids is None else sorted({int(i) for i in ids}),
-        "now": now,
-    }
-    with conn.transaction():
-        rows = conn.execute(_queries(table).op_dead_retry, params).fetchall()
-        if rows:
-            _notify(conn, table)
-    return sorted(int(r[0]) for r in rows)
-
-
-def dead_skip(
-    conn: psycopg.Connection[Any],
-    ids: Collection[int],
-    *,
-    table: TableLike = None,
-    now: datetime | None = None,
-) -> list[int]:
-    """Mark dead rows ``done`` without delivering them (unblocks an ordered aggregate).
-
-    ``last_error`` records that an operator skipped the row; it is never sent.
-    Returns the ids changed.
-    """
-    if not ids:
-        return []
-    params = {
-        "ids": sorted({int(i) for i in ids}),
-        "max_error": store.MAX_ERROR_LENGTH,
-        "now": now,
-    }
-    with conn.transaction():
-        rows = conn.execute(_queries(table).op_dead_skip, params).fetchall()
-        if rows:
-            _notify(conn, table)
-    return sorted(int(r[0]) for r in rows)
-
-
-# ---------------------------------------------------------------- retention
-@dataclass(frozen=True)
-class PurgeResult:
-    deleted: int
-    batches: int
-    cutoff: datetime
-
-
-def purge(
-    conn: psycopg.Connection[Any],
-    *,
-    older_than: timedelta,
-    batch_size: int = 5000,
-    max_batches: int | None = None,
-    table: TableLike = None,
-    now: datetime | None = None,
-    on_batch: Callable[[int], None] | None = None,
-) -> PurgeResult:
-    """Delete ``done`` rows whose ``done_at`` is older than ``older_than``.
-
-    Works in batches of ``batch_size`` rows, each committed on its own, so no
-    statement holds many locks or writes a burst of WAL, and concurrent
-    purges share the work (SKIP LOCKED). Stops when a batch comes back short,
-    or after ``max_batches`` (a periodic task then continues next run).
-    ``on_batch`` is called with each batch's count. Only ``done`` rows are
-    ever deleted: pending, processing and dead rows are not retention's
-    business.
-
-    Needs a connection outside a transaction: inside one, the batches would
-    be savepoints of a single long transaction, which defeats the point.
-    """
-    if batch_size <= 0:
-        raise ValueError("batch_size must be greater than 0")
-    if older_than < timedelta(0):
-        raise ValueError("older_than must not be negative")
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise ValueError("purge commits batch by batch: call it outside a transaction")
-    q = _queries(table)
-    with conn.transaction():
-        row = conn.execute(q.op_purge_cutoff, {"now": now, "older_than": older_than}).fetchone()
-    assert row is not None
-    cutoff: datetime = row[0]
-    deleted = batches = 0
-    while max_batches is None or batches < max_batches:
-        with conn.transaction():
-            cur = conn.execute(q.op_purge_done, {"cutoff": cutoff, "batch": batch_size})
-        batches += 1
-        count = max(cur.rowcount, 0)
-        deleted += count
-        if on_batch is not None:
-            on_batch(count)
-        if count < batch_size:
-            break
-    return PurgeResult(deleted=deleted, batches=batches, cutoff=cutoff)
-
-
-# ---------------------------------------------------------------- metrics
-@dataclass(frozen=True)
-class QueueGauges:
-    """The database side of the metrics, read in one scrape."""
-
-    pending: int
-    processing: int
-    done: int
-    dead: int
-    expired_leases: int
-    oldest_pending_age_seconds: float
-    done_estimated: bool
-
-
-def gauges(
-    conn: psycopg.Connection[Any],
-    *,
-    table: TableLike = None,
-    exact_done_below: int = 100_000,
-    timeout_ms: int = 5000,
-    now: datetime | None = None,
-) -> QueueGauges:
-    """Counts for a metrics scrape, cheap however many rows are done.
-
-    Unfinished rows are counted through their partial indexes. ``done`` is
-    counted exactly while the table holds fewer than ``exact_done_below``
-    rows (by the planner's estimate), and above that estimated as
-    ``pg_class.reltuples`` minus the other statuses, which autovacuum keeps
-    within a few percent on this table; counting millions of rows every
-    scrape would cost more than the number is worth.
-    """
-    outbox = OutboxTable.parse(table)
-    q = queries_for(outbox)
-    with conn.transaction():
-        # A scrape must never pile up behind a lock or a slow disk.
-        conn.execute(q.op_scrape_timeout, {"timeout": f"{int(timeout_ms)}ms"})
-        cur = conn.execute(q.op_gauges, {"now": now, "schema": outbox.schema, "name": outbox.name})
-        row = cur.fetchone()
-        assert row is not None
-        pending, processing, dead, expired, oldest, reltuples = row
-        unfinished = int(pending) + int(processing) + int(dead)
-        # reltuples is -1 for a table never vacuumed or analyzed.
-        estimated = reltuples is not None and float(reltuples) >= exact_done_below
-        if estimated:
-            done = max(int(float(reltuples)) - unfinished, 0)
-        else:
-            done_row = conn.execute(q.op_done_count).fetchone()
-            done = int(done_row[0]) if done_row else 0
-    return QueueGauges(
-        pending=int(pending),
-        processing=int(processing),
-        done=done,
-        dead=int(dead),
-        expired_leases=int(expired),
-        oldest_pending_age_seconds=float(oldest),
-        done_estimated=estimated,
-    )
-
-
-# ---------------------------------------------------------------- grants
-def grants(role: str, kind: RoleKind, *, table: TableLike = None) -> str:
-    """The least-privilege GRANT statements for ``role``, as SQL text to review.
-
-    ``producer``: what ``enqueue`` needs. ``relay``: what workers, beat and
-    these operator commands need. The role is quoted as an identifier, so any
-    name is safe to pass.
-    """
-    if kind not in ("producer", "relay"):
-        raise ValueError(f"kind must be 'producer' or 'relay', not {kind!r}")
-    if not role:
-        raise ValueError("role must not be empty")
-    q = _queries(table)
-    text = q.op_grant_producer if kind == "producer" else q.op_grant_relay
-    return sql.SQL(text).format(role=sql.Identifier(role)).as_string() + ";\n"
+    table = Table(show_header=True)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key in ("pending", "processing", "done", "dead"):
+        table.add_row(f"{key} messages", str(snapshot[key]))
+    age = snapshot["oldest_pending_age_seconds"]
+    shown = f"{human_duration(age)} ({age:.1f}s)" if age else "none"
+    table.add_row("oldest awaiting delivery", shown)
+    table.add_row("expired leases", str(snapshot["expired_leases"]))
+    attempts = snapshot["attempts"]
+    spread = ", ".join(f"{k}: {v}" for k, v in attempts.items()) or "none waiting"
+    table.add_row("attempts (pending+processing)", spread)
+    return table

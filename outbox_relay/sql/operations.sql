@@ -1,6 +1,6 @@
--- Operator queries: dead letters, retention, status, metrics and grants.
--- Loaded with queries.sql by outbox_relay/queries.py and run by
--- outbox_relay/operations.py; none of them is on the delivery hot path.
+-- Operator queries: status, dead letters, retention, metrics and grants.
+-- Loaded with queries.sql by outbox_relay/sql/queries.py and run only by
+-- outbox_relay/store/ops.py; none of them is on the delivery hot path.
 --
 -- {table} and friends are identifiers filled in with psycopg.sql.Identifier;
 -- %(name)s are bound parameters; %(now)s is NULL in production (the database
@@ -10,6 +10,45 @@
 -- survive the identifier pass in queries.py, and operations.grants() fills
 -- the role in with a second psycopg.sql pass. Their comments are printed with
 -- them by `outbox-relay grant`, so they are written for the person applying them.
+
+-- name: op_stats
+-- The one status query, behind store.stats(), `outbox-relay status` and the
+-- metrics gauges. Unfinished rows are counted through their partial indexes.
+-- done is counted exactly when %(exact_done_below)s is NULL or the planner's
+-- row estimate (reltuples; -1 before the first VACUUM or ANALYZE) is below
+-- it, else NULL: the caller then estimates it as reltuples minus the other
+-- statuses, because counting millions of done rows on every scrape costs more
+-- than the number is worth. The done count is an uncorrelated subquery (an
+-- InitPlan), which PostgreSQL runs only when the CASE takes its branch.
+-- One statement, so every figure comes from the same snapshot.
+SELECT s.pending, s.processing,
+       CASE WHEN %(exact_done_below)s::float8 IS NULL
+              OR coalesce(s.reltuples, -1) < %(exact_done_below)s::float8
+            THEN (SELECT count(*) FROM {table} WHERE status = 'done') END AS done,
+       s.dead, s.expired_leases, s.oldest_pending_age_seconds, s.reltuples
+  FROM (SELECT (SELECT count(*) FROM {table} WHERE status = 'pending') AS pending,
+               (SELECT count(*) FROM {table} WHERE status = 'processing') AS processing,
+               (SELECT count(*) FROM {table} WHERE status = 'dead') AS dead,
+               (SELECT count(*) FROM {table}
+                 WHERE status = 'processing'
+                   AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
+               coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
+                   (SELECT min(created_at) FROM {table} WHERE status = 'pending'),
+                   (SELECT min(created_at) FROM {table} WHERE status = 'processing'))), 0)::float8
+                   AS oldest_pending_age_seconds,
+               (SELECT c.reltuples
+                  FROM pg_class AS c
+                  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                 WHERE n.nspname = %(schema)s AND c.relname = %(name)s)::float8 AS reltuples
+       ) AS s;
+
+-- name: op_get_row
+-- One message with every column, for people and tests looking at a row.
+SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
+       created_at, status, available_at, attempts, lease_owner, lease_until,
+       lease_version, last_error, done_at
+  FROM {table}
+ WHERE id = %(id)s;
 
 -- name: op_attempts_distribution
 -- Attempts spent by the messages still awaiting delivery. Each status walks
@@ -94,30 +133,6 @@ DELETE FROM {table}
 -- Bounds one metrics scrape; transaction-local, so it is safe behind PgBouncer.
 SELECT set_config('statement_timeout', %(timeout)s, true);
 
--- name: op_gauges
--- Everything a scrape needs from the unfinished rows, each through its partial
--- index, plus the planner's row estimate for the whole table (done rows are
--- reltuples minus the others once the table is large; see metrics.py).
-SELECT (SELECT count(*) FROM {table} WHERE status = 'pending') AS pending,
-       (SELECT count(*) FROM {table} WHERE status = 'processing') AS processing,
-       (SELECT count(*) FROM {table} WHERE status = 'dead') AS dead,
-       (SELECT count(*) FROM {table}
-         WHERE status = 'processing'
-           AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
-       coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
-           (SELECT min(created_at) FROM {table} WHERE status = 'pending'),
-           (SELECT min(created_at) FROM {table} WHERE status = 'processing'))), 0)::float8
-           AS oldest_pending_age_seconds,
-       (SELECT c.reltuples
-          FROM pg_class AS c
-          JOIN pg_namespace AS n ON n.oid = c.relnamespace
-         WHERE n.nspname = %(schema)s AND c.relname = %(name)s)::float8 AS reltuples;
-
--- name: op_done_count
--- Exact count of done rows: an index-only walk of the done partial index,
--- used while the table is small enough for that to be cheap.
-SELECT count(*) FROM {table} WHERE status = 'done';
-
 -- name: op_grant_producer
 -- Least privilege for application code that calls enqueue(): insert the
 -- columns enqueue writes (so it cannot forge a status, lease or attempt
@@ -126,7 +141,7 @@ SELECT count(*) FROM {table} WHERE status = 'done';
 -- one for GENERATED ... AS IDENTITY.
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
-              available_at)
+              ordered, available_at)
    ON TABLE {table} TO {{role}};
 GRANT SELECT (id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key)
    ON TABLE {table} TO {{role}};
@@ -139,11 +154,18 @@ GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT SELECT, UPDATE, DELETE ON TABLE {table} TO {{role}};
 GRANT SELECT ON TABLE {migrations} TO {{role}};
 
--- name: op_relation_exists
--- Exact (case-sensitive) names: to_regclass() on unquoted text would fold case.
-SELECT EXISTS (
-    SELECT 1
-      FROM pg_class AS c
-      JOIN pg_namespace AS n ON n.oid = c.relnamespace
-     WHERE n.nspname = %(schema)s AND c.relname = %(name)s
+-- name: op_demo_orders_create
+-- `outbox-relay demo`: the shop's own table, beside the demo's outbox in its
+-- schema. The demo writes each order and its event in one transaction, as
+-- an application would.
+CREATE TABLE IF NOT EXISTS {schema}.demo_orders (
+    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    customer    text NOT NULL,
+    total_cents integer NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
 );
+
+-- name: op_demo_order_insert
+INSERT INTO {schema}.demo_orders (customer, total_cents)
+VALUES (%(customer)s, %(total_cents)s)
+RETURNING id;
