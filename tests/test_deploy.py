@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from outbox_relay import Claimed, Outcome
-from outbox_relay.model import LeaseRef
 from outbox_relay.metrics import MetricsObserver, OutboxCollector
+from outbox_relay.model import LeaseRef
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 METRIC = re.compile(r"\boutbox_[a-z_]+\b")

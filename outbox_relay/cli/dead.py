@@ -1,0 +1,148 @@
+"""``outbox-relay dead list|retry|skip``: inspect dead messages, send them back or past."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import click
+from rich.table import Table
+
+from .. import operations
+from .common import CliState, Duration, command_options, console, pass_state
+
+__all__ = ["dead_group"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _filter_options(fn: F) -> F:
+    for option in reversed(
+        [
+            click.option("--event-type", default=None, help="Only this event type."),
+            click.option("--aggregate-type", default=None, help="Only this aggregate type."),
+            click.option("--aggregate-id", default=None, help="Only this aggregate id."),
+            click.option(
+                "--older-than",
+                type=Duration(),
+                default=None,
+                help="Only messages created longer ago than this (7d, 12h, 30m, 45s).",
+            ),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+@click.group("dead")
+def dead_group() -> None:
+    """Inspect dead messages and send them back (retry) or past (skip)."""
+
+
+@dead_group.command("list")
+@_filter_options
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="A JSON array, for scripts.")
+@command_options()
+@pass_state
+def dead_list_command(
+    state: CliState,
+    event_type: str | None,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    older_than: timedelta | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List dead messages, oldest first (payloads are not shown)."""
+    where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
+    with state.connect() as conn:
+        rows = operations.dead_list(conn, where=where, limit=limit, table=state.table)
+    if as_json:
+        click.echo(json.dumps([r.as_json() for r in rows], indent=2))
+        return
+    out = console()
+    if not rows:
+        out.print("no dead messages match")
+        return
+    table = Table(title=f"dead messages in {state.table.qualified}", title_justify="left")
+    for column in ("id", "event type", "aggregate", "attempts", "created", "last error"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        error = (r.last_error or "")[:160]
+        table.add_row(
+            str(r.id),
+            r.event_type,
+            f"{r.aggregate_type}/{r.aggregate_id}",
+            str(r.attempts),
+            r.created_at.isoformat(sep=" ", timespec="seconds"),
+            error,
+        )
+    out.print(table)
+    if len(rows) == limit:
+        out.print(f"(first {limit}; raise --limit or narrow the filters for more)")
+
+
+def _report(verb: str, changed: list[int], asked: tuple[int, ...]) -> None:
+    click.echo(f"{verb} {len(changed)} dead message(s)" + (f": {_ids(changed)}" if changed else ""))
+    missing = sorted(set(asked) - set(changed))
+    if missing:
+        # A script must notice that an id it named was not dead: exit 1.
+        raise click.ClickException(f"not dead (or missing), left unchanged: {_ids(missing)}")
+
+
+def _ids(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:50]))
+    return shown + (f" ... ({len(ids)} in all)" if len(ids) > 50 else "")
+
+
+@dead_group.command("retry")
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--all", "all_dead", is_flag=True, help="Every dead message the filters match.")
+@_filter_options
+@command_options()
+@pass_state
+def dead_retry_command(
+    state: CliState,
+    ids: tuple[int, ...],
+    all_dead: bool,
+    event_type: str | None,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    older_than: timedelta | None,
+) -> None:
+    """Send dead messages back to pending, due now, attempts reset to 0.
+
+    last_error is kept so the reason stays visible until the next attempt
+    records its own. The filters apply with --all.
+    """
+    filtered = any(v is not None for v in (event_type, aggregate_type, aggregate_id, older_than))
+    if ids and all_dead:
+        raise click.UsageError("give message IDs or --all, not both")
+    if not ids and not all_dead:
+        raise click.UsageError("give the IDs of dead messages to retry, or --all")
+    if filtered and not all_dead:
+        raise click.UsageError("the filters select messages for --all; with IDs, drop them")
+    where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
+    with state.connect() as conn:
+        changed = operations.dead_retry(
+            conn, None if all_dead else ids, all_dead=all_dead, where=where, table=state.table
+        )
+    _report("retried", changed, ids)
+
+
+@dead_group.command("skip")
+@click.argument("ids", nargs=-1, type=int, required=True)
+@command_options()
+@pass_state
+def dead_skip_command(state: CliState, ids: tuple[int, ...]) -> None:
+    """Mark dead messages done without delivering them.
+
+    For an ordered aggregate blocked by a dead head that can never be sent:
+    its next message becomes claimable. last_error records the skip.
+    """
+    with state.connect() as conn:
+        changed = operations.dead_skip(conn, ids, table=state.table)
+    _report("skipped", changed, ids)
