@@ -3,7 +3,7 @@
 ``python -m tests.metrics_worker DSN CHILDREN`` with ``PROMETHEUS_MULTIPROC_DIR``
 set: the parent creates the ``MetricsObserver`` (as ``install()`` would, before
 the pool forks), claims every due row and closes its connection; each forked
-child connects on its own and delivers its share through ``Relay.deliver``.
+child connects on its own and delivers its share through ``Deliverer.deliver``.
 Event type ``bad`` fails permanently, everything else is delivered.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_relay import Message, PermanentError, Relay, store
+from outbox_relay import Deliverer, DirectDatabase, Message, PermanentError, store
 from outbox_relay.metrics import MetricsObserver
 
 
@@ -38,8 +38,10 @@ def main(dsn: str, children: int) -> int:
             code = 0
             try:
                 with psycopg.connect(dsn, autocommit=True) as conn:
-                    relay = Relay(publish, observer=observer, concurrency=1)
-                    report = relay.deliver(conn, [c.ref for c in share])
+                    relay = Deliverer(
+                        publish, db=DirectDatabase(conn), observer=observer, concurrency=1
+                    )
+                    report = relay.deliver([c.ref for c in share])
                     code = 0 if report.done + report.dead == len(share) else 3
             except BaseException:
                 code = 4

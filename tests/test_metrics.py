@@ -20,7 +20,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import make_conninfo
 
-from outbox_relay import Message, PermanentError, Relay, RetryableError, enqueue, operations, store
+from outbox_relay import (
+    Deliverer,
+    DirectDatabase,
+    Message,
+    PermanentError,
+    RetryableError,
+    enqueue,
+    operations,
+    store,
+)
 from outbox_relay.metrics import MetricsObserver, MetricsServer, serve
 
 from .opsdata import EXPECTED, LEASE, add, backdate, db_now, scenario
@@ -126,9 +135,10 @@ def test_worker_counters_after_real_deliveries(
         if message.event_type == "bad":
             raise PermanentError("422 from the receiver")
 
-    relay = Relay(publish, observer=observer, concurrency=1)
+    db = DirectDatabase(conn)
+    relay = Deliverer(publish, db=db, observer=observer, concurrency=1)
     claimed = store.claim(conn, owner="w1", batch=10, lease=LEASE)
-    report = relay.deliver(conn, [c.ref for c in claimed])
+    report = relay.deliver([c.ref for c in claimed])
     assert (report.done, report.retried, report.dead) == (2, 1, 1)
 
     # A lease lost mid-publish: another worker re-claims the row (its lease
@@ -144,10 +154,10 @@ def test_worker_counters_after_real_deliveries(
             assert [c.id for c in store.claim(other, owner="w2", batch=10, lease=LEASE,
                                               now=later)] == [stolen_id]  # fmt: skip
 
-    lost = Relay(steal, observer=observer, concurrency=1).deliver(conn, [mine.ref])
+    lost = Deliverer(steal, db=db, observer=observer, concurrency=1).deliver([mine.ref])
     assert lost.lost == 1
     # A late duplicate task for the old lease is turned away before publishing.
-    assert Relay(publish, observer=observer).deliver(conn, [mine.ref]).stale == 1
+    assert Deliverer(publish, db=db, observer=observer).deliver([mine.ref]).stale == 1
 
     server = start(dsn=dsn, registry=registry)
     samples = parse(fetch(server.port))

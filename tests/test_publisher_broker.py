@@ -138,7 +138,7 @@ def test_rabbitmq_messages_arrive_with_message_id_and_headers(
         "o-2": _enqueue(conn, "o-2", event_type="order.shipped.late"),
         "o-3": _enqueue(conn, "o-3", operation_key="ship-o-3", headers={"traceparent": "00-1"}),
     }
-    publisher = resolve_publisher(amqp_url, publish_timeout_seconds=5.0, broker_exchange=names[0])
+    publisher = resolve_publisher(amqp_url, publish_timeout_seconds=5.0, kombu_exchange=names[0])
     assert isinstance(publisher, BrokerPublisher)
     assert publisher.timeout_seconds <= 5.0
     assert "guest@" not in repr(publisher), "the password is masked"
@@ -160,7 +160,7 @@ def test_rabbitmq_unreachable_leaves_messages_pending(conn: psycopg.Connection) 
     for message_id in ids:
         row = _row(conn, message_id)
         assert (row["status"], row["attempts"]) == ("pending", 1)
-        assert "retryable: RetryableError: broker amqp://guest:**@127.0.0.1" in row["last_error"]
+        assert "retryable: RetryableError: broker amqp://guest:****@127.0.0.1" in row["last_error"]
         assert "Connection refused" in row["last_error"] or "ConnectionRefused" in row["last_error"]
     assert outbox_relay.stats(conn)["done"] == 0
 
@@ -201,8 +201,10 @@ def test_rabbitmq_unroutable_is_retried_until_a_queue_is_bound(
     by_id = {c.id: c for c in claimed}
     assert set(by_id) == {message_id, doomed, dropped}
     for one, target in ((strict, doomed), (lenient, dropped)):
-        relay = outbox_relay.Relay(one, policy=NO_BACKOFF, publish_timeout=1.0)
-        relay.deliver(conn, [by_id[target].ref])
+        relay = outbox_relay.Deliverer(
+            one, db=outbox_relay.DirectDatabase(conn), policy=NO_BACKOFF, publish_timeout=1.0
+        )
+        relay.deliver([by_id[target].ref])
     assert _row(conn, doomed)["status"] == "dead"
     assert _row(conn, doomed)["last_error"].startswith("permanent: PermanentError: broker")
     assert _row(conn, dropped)["status"] == "done"
@@ -210,8 +212,10 @@ def test_rabbitmq_unroutable_is_retried_until_a_queue_is_bound(
     # Once a consumer binds its queue, the retried message goes through.
     bound = Bound(amqp_url, names[0], names[1], "order.*")
     try:
-        relay = outbox_relay.Relay(publisher, policy=NO_BACKOFF, publish_timeout=1.0)
-        relay.deliver(conn, [by_id[message_id].ref])
+        relay = outbox_relay.Deliverer(
+            publisher, db=outbox_relay.DirectDatabase(conn), policy=NO_BACKOFF, publish_timeout=1.0
+        )
+        relay.deliver([by_id[message_id].ref])
         assert _row(conn, message_id)["status"] == "done"
         assert [m.properties["message_id"] for m in bound.drain()] == [f"outbox-{message_id}"]
     finally:
@@ -251,7 +255,7 @@ def test_rabbitmq_connection_survives_a_fork(
 
 def test_redis_as_a_target(conn: psycopg.Connection, names: tuple[str, str]) -> None:
     url = services.redis_url()
-    publisher = resolve_publisher(url, publish_timeout_seconds=5.0, broker_exchange=names[0])
+    publisher = resolve_publisher(url, publish_timeout_seconds=5.0, kombu_exchange=names[0])
     assert isinstance(publisher, BrokerPublisher)
 
     # No queue bound yet: Redis has no mandatory flag, the publisher checks.
@@ -297,9 +301,30 @@ def test_broker_configuration_errors() -> None:
     with pytest.raises(ConfigError, match="routing_key"):
         BrokerPublisher("amqp://localhost//", routing_key="partition")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="OUTBOX_PUBLISH_TIMEOUT_SECONDS"):
-        resolve_publisher("amqp://localhost//", publish_timeout_seconds=3, broker_confirm_timeout=9)
+        resolve_publisher("amqp://localhost//", publish_timeout_seconds=3, kombu_confirm_timeout=9)
     publisher = resolve_publisher(
         {"url": "amqps://u:p@broker.test//", "exchange": "events", "unroutable": "drop"}
     )
     assert isinstance(publisher, BrokerPublisher)
     assert publisher.exchange.name == "events" and publisher.unroutable == "drop"
+
+
+def test_kombu_options_come_from_the_environment_under_their_own_prefix() -> None:
+    """OUTBOX_KOMBU_* reach the broker publisher; OUTBOX_BROKER_* (which read like
+    Celery's own broker settings) are refused at start instead of silently ignored."""
+    env = {
+        "OUTBOX_PUBLISHER": "amqp://localhost//",
+        "OUTBOX_KOMBU_EXCHANGE": "audit",
+        "OUTBOX_KOMBU_DECLARE": "false",
+        "OUTBOX_KOMBU_ROUTING_KEY": "aggregate",
+        "OUTBOX_KOMBU_TRANSPORT_OPTIONS": '{"max_retries": 0}',
+    }
+    settings = outbox_relay.Settings.load({}, environ=env)
+    publisher = resolve_publisher(settings.publisher, **settings.publisher_options)
+    assert isinstance(publisher, BrokerPublisher)
+    assert publisher.exchange.name == "audit" and publisher.declare is False
+    assert publisher.routing_key == "aggregate"
+    with pytest.raises(ConfigError, match="kombu_declare"):
+        resolve_publisher("amqp://localhost//", kombu_declare="sometimes")
+    with pytest.raises(ConfigError, match="OUTBOX_BROKER_EXCHANGE"):
+        outbox_relay.Settings.load({}, environ={**env, "OUTBOX_BROKER_EXCHANGE": "audit"})

@@ -164,8 +164,10 @@ def test_each_message_has_exactly_one_effect_even_when_delivered_twice(
         later = conn.execute("SELECT now() + interval '31 seconds'").fetchone()[0]
         [held_by_b] = store.claim(conn, owner="B", batch=1, lease=timedelta(seconds=60), now=later)
         assert (held_by_b.id, held_by_b.lease_version) == (twice, held_by_a.lease_version + 1)
-        relay = outbox_relay.Relay(publisher, policy=policy, publish_timeout=5.0)
-        report = relay.deliver(conn, [held_by_b.ref])
+        relay = outbox_relay.Deliverer(
+            publisher, db=outbox_relay.DirectDatabase(conn), policy=policy, publish_timeout=5.0
+        )
+        report = relay.deliver([held_by_b.ref])
         assert report.done == 1
         assert store.mark_done(conn, held_by_a) is False  # A's lease is lost
 

@@ -36,6 +36,7 @@ from outbox_relay.publishers import (
     parse_retry_after,
     publisher_timeout,
     resolve_publisher,
+    router_from_config,
 )
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -320,18 +321,22 @@ def test_envelope_operation_key_and_header_safety(conn: psycopg.Connection, serv
     assert requests[0].body == requests[1].body
 
 
-def test_chunk_delivery_through_relay_deliver(conn: psycopg.Connection, server: Server) -> None:
-    """The Celery path: claim, then Relay.deliver publishes a chunk concurrently."""
+def test_chunk_delivery_through_the_deliverer(conn: psycopg.Connection, server: Server) -> None:
+    """The Celery path: claim, then Deliverer.deliver publishes a chunk concurrently."""
     ids = [_enqueue(conn, f"agg-{i}") for i in range(12)]
     server.script("agg-3", Action(400))
     server.script("agg-5", Action(503))
     publisher = WebhookPublisher(server.url, secret=SECRET, **FAST)
-    relay = outbox_relay.Relay(
-        publisher, policy=NO_BACKOFF, publish_timeout=publisher.timeout_seconds, concurrency=6
+    relay = outbox_relay.Deliverer(
+        publisher,
+        db=outbox_relay.DirectDatabase(conn),
+        policy=NO_BACKOFF,
+        publish_timeout=publisher.timeout_seconds,
+        concurrency=6,
     )
     try:
         claimed = outbox_relay.claim(conn, owner="w1", batch=50, lease=timedelta(seconds=30))
-        report = relay.deliver(conn, [c.ref for c in claimed])
+        report = relay.deliver([c.ref for c in claimed])
     finally:
         relay.close()
     assert (report.done, report.dead, report.retried, report.lost) == (10, 1, 1, 0)
@@ -398,7 +403,7 @@ def test_configuration_errors_name_the_setting() -> None:
     )
     assert isinstance(router, Router)
     assert router.timeout_seconds == pytest.approx(8.0)
-    fallback = Router.from_config(
+    fallback = router_from_config(
         {"order.*": "https://a.test/"}, default="https://b.test/", publish_timeout_seconds=4
     )
     assert isinstance(fallback.route("user.created"), WebhookPublisher)

@@ -1,46 +1,21 @@
-"""Coercion of publisher options that may arrive as environment strings.
+"""How a publisher reads its options from the relay's option bag.
 
 The relay passes its option bag straight from settings, where a value can be
 a Python object (Celery configuration) or text (``OUTBOX_*`` environment
-variables). These helpers accept both and name the option when text is wrong.
+variables). Text is coerced by the same helpers as every setting
+(``outbox_relay/_parse.py``); what is particular to publishers is here:
+renaming options to constructor keywords, loading ``module:callable``
+values, and carving timeouts out of the publish budget.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
-from .base import load_callable
+from .protocol import load_callable
 
-__all__ = ["as_bool", "as_callable_or", "as_mapping", "constructor_kwargs", "split_budget"]
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def as_bool(option: str, value: Any) -> Any:
-    """``"true"``/``"false"`` (and friends) as booleans; anything else unchanged."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    return value
-
-
-def as_mapping(option: str, value: Any) -> Any:
-    """A JSON object given as text, as a dict; a mapping unchanged."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise ConfigError(f"{option} must be a JSON object") from None
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{option} must be a mapping (or a JSON object)")
-    return value
+__all__ = ["as_callable_or", "constructor_kwargs", "split_budget"]
 
 
 def as_callable_or(option: str, value: Any, keywords: tuple[str, ...]) -> Any:

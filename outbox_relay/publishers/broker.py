@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -36,9 +35,11 @@ import kombu.messaging
 from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
 from kombu.transport import virtual
 
+from .._parse import as_bool, as_mapping
+from .._redact import redact_url, scrub
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
-from ._options import as_bool, as_callable_or, as_mapping, constructor_kwargs, split_budget
+from ._options import as_callable_or, constructor_kwargs, split_budget
 from ._process import PerProcess
 
 __all__ = ["BROKER_SCHEMES", "BrokerPublisher"]
@@ -104,16 +105,6 @@ class _Links:
             link.close()
 
 
-def _redact(url: str) -> str:
-    """The URL with its password masked and no query (which may carry credentials)."""
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    if parts.username or parts.password:
-        user = parts.username or ""
-        netloc = f"{user}:**@{netloc}" if parts.password else f"{user}@{netloc}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
-
-
 def _scheme(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else ""
 
@@ -172,7 +163,7 @@ class BrokerPublisher:
         self.confirm_timeout = float(confirm_timeout)
         self._transport_options = dict(transport_options or {})
         template = _Connection(url)  # never connected: error classes only
-        self._where = _redact(url)
+        self._where = redact_url(url)
         # The transport's own error classes (py-amqp's, redis-py's ...).
         self._errors: tuple[type[BaseException], ...] = tuple(
             template.connection_errors + template.channel_errors
@@ -195,30 +186,30 @@ class BrokerPublisher:
         cls, url: str, options: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
     ) -> BrokerPublisher:
         """Build from the relay's option bag; timeouts fit in ``publish_timeout_seconds``."""
+        # kombu_*, not broker_*: OUTBOX_BROKER_* would read like Celery's own
+        # broker settings, which configure the relay's broker, not this one.
         names = {
-            "broker_exchange": "exchange",
-            "broker_exchange_type": "exchange_type",
-            "broker_routing_key": "routing_key",
-            "broker_declare": "declare",
-            "broker_unroutable": "unroutable",
-            "broker_connect_timeout": "connect_timeout",
-            "broker_confirm_timeout": "confirm_timeout",
-            "broker_transport_options": "transport_options",
+            "kombu_exchange": "exchange",
+            "kombu_exchange_type": "exchange_type",
+            "kombu_routing_key": "routing_key",
+            "kombu_declare": "declare",
+            "kombu_unroutable": "unroutable",
+            "kombu_connect_timeout": "connect_timeout",
+            "kombu_confirm_timeout": "confirm_timeout",
+            "kombu_transport_options": "transport_options",
         }
         kwargs = constructor_kwargs(
             options, overrides, names, split_budget(options, last="confirm_timeout")
         )
         if "declare" in kwargs:
-            kwargs["declare"] = as_bool("broker_declare", kwargs["declare"])
-            if not isinstance(kwargs["declare"], bool):
-                raise ConfigError("broker_declare must be true or false")
+            kwargs["declare"] = as_bool("kombu_declare", kwargs["declare"])
         if "routing_key" in kwargs:
             kwargs["routing_key"] = as_callable_or(
-                "broker_routing_key", kwargs["routing_key"], ("event_type", "aggregate")
+                "kombu_routing_key", kwargs["routing_key"], ("event_type", "aggregate")
             )
         if kwargs.get("transport_options") is not None:
             kwargs["transport_options"] = as_mapping(
-                "broker_transport_options", kwargs["transport_options"]
+                "kombu_transport_options", kwargs["transport_options"]
             )
         publisher = cls(url, **kwargs)
         budget = options.get("publish_timeout_seconds")
@@ -374,7 +365,10 @@ class BrokerPublisher:
         except (RetryableError, PermanentError):
             raise
         except (kombu.exceptions.KombuError, MessageNacked, OSError, *self._errors) as exc:
-            raise RetryableError(f"broker {self._where}: {type(exc).__name__}: {exc}") from exc
+            # kombu and py-amqp may quote the URL they were given: no password
+            # may reach last_error through them.
+            text = scrub(str(exc), self.url)
+            raise RetryableError(f"broker {self._where}: {type(exc).__name__}: {text}") from exc
         finally:
             if link is not None:
                 if healthy:

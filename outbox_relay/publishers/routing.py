@@ -6,6 +6,9 @@ names before patterns, longer patterns before shorter), and ``"*"`` or a
 ``PermanentError`` at publish time, and ``Router.check`` lets start-up code
 fail early for the event types it knows. ``timeout_seconds`` is the slowest
 route's, so the relay's lease check covers every route.
+
+A routing table in configuration (``{pattern: spec}``) becomes a Router in
+``resolve.router_from_config``, which resolves each route's spec.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from ..errors import ConfigError, PermanentError
 from ..model import Message
-from .base import Publisher, publisher_timeout, resolve_publisher
+from .protocol import Publisher, publisher_timeout
 
 __all__ = ["Router"]
 
@@ -36,35 +39,6 @@ class Router:
         )
         self._default = default
         self._lookup = lru_cache(maxsize=1024)(self._find)
-
-    @classmethod
-    def from_config(
-        cls,
-        config: Mapping[str, Any],
-        *,
-        setting: str = "OUTBOX_PUBLISHER",
-        default: Any = None,
-        **options: Any,
-    ) -> Router:
-        """Routes from ``{pattern: spec}``; ``default`` (or the key ``"default"``)
-        is the publisher spec for event types no pattern matches."""
-        routes: dict[str, Publisher] = {}
-        fallback: Publisher | None = None
-        if default is not None:
-            if "default" in config:
-                raise ConfigError(
-                    f"{setting}: the default route is given twice (a 'default' key and default=)"
-                )
-            fallback = resolve_publisher(default, setting=f"{setting}[default]", **options)
-        for pattern, spec in config.items():
-            if not isinstance(pattern, str) or not pattern:
-                raise ConfigError(f"{setting}: route keys must be event-type patterns")
-            publisher = resolve_publisher(spec, setting=f"{setting}[{pattern!r}]", **options)
-            if pattern == "default":
-                fallback = publisher
-            else:
-                routes[pattern] = publisher
-        return cls(routes, fallback)
 
     @property
     def publishers(self) -> list[Publisher]:

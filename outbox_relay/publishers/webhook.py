@@ -36,9 +36,11 @@ from typing import Any
 
 import httpx
 
+from .._parse import as_bool, as_mapping, bool_or_same
+from .._redact import redact_url, scrub
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
-from ._options import as_bool, as_mapping, constructor_kwargs, split_budget
+from ._options import constructor_kwargs, split_budget
 from ._process import PerProcess
 
 __all__ = ["WebhookPublisher", "parse_retry_after", "sign"]
@@ -153,16 +155,6 @@ def parse_retry_after(
     return timedelta(seconds=seconds)
 
 
-def _redact(url: str) -> str:
-    """The URL without credentials, query or fragment: safe for logs and last_error."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
 def _excerpt(raw: bytes) -> str:
     text = " ".join(raw.decode("utf-8", errors="replace").split())
     if len(text) > EXCERPT_CHARS:
@@ -203,7 +195,7 @@ class WebhookPublisher:
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"webhook URL {_redact(url)!r} must be an http(s) URL with a host")
+            raise ConfigError(f"webhook URL {redact_url(url)!r} must be an http(s) URL with a host")
         for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
             if not value > 0:
                 raise ConfigError(f"webhook {name} must be greater than 0, got {value!r}")
@@ -228,7 +220,7 @@ class WebhookPublisher:
             verify = ssl.create_default_context(cafile=verify)
         self._verify: bool | ssl.SSLContext = verify
         self._trust_env = trust_env
-        self._where = _redact(url)
+        self._where = redact_url(url)
         self._user_agent = _user_agent()
         self._client = PerProcess(self._build_client)
 
@@ -271,11 +263,11 @@ class WebhookPublisher:
         kwargs = constructor_kwargs(
             options, overrides, names, split_budget(options, last="read_timeout")
         )
-        for name in ("envelope", "verify"):
-            if name in kwargs:
-                kwargs[name] = as_bool(f"webhook_{name}", kwargs[name])
-        if isinstance(kwargs.get("envelope"), str):
-            raise ConfigError("webhook_envelope must be true or false")
+        if "envelope" in kwargs:
+            kwargs["envelope"] = as_bool("webhook_envelope", kwargs["envelope"])
+        if "verify" in kwargs:
+            # A CA bundle path or an SSLContext is a valid value too.
+            kwargs["verify"] = bool_or_same(kwargs["verify"])
         if "headers" in kwargs and kwargs["headers"] is not None:
             kwargs["headers"] = as_mapping("webhook_headers", kwargs["headers"])
         publisher = cls(url, **kwargs)
@@ -379,15 +371,20 @@ class WebhookPublisher:
             ) from exc
         except (httpx.LocalProtocolError, httpx.UnsupportedProtocol) as exc:
             # The request itself cannot be sent; sending it again will not help.
-            raise PermanentError(f"webhook {self._where}: {type(exc).__name__}: {exc}") from exc
+            raise PermanentError(f"webhook {self._where}: {self._error(exc)}") from exc
         except httpx.RemoteProtocolError as exc:
             raise RetryableError(
                 f"webhook {self._where}: the server closed the connection without a valid "
-                f"response ({exc})"
+                f"response ({scrub(str(exc), self.url)})"
             ) from exc
         except httpx.HTTPError as exc:  # connect refused/reset, TLS, proxy ...
-            raise RetryableError(f"webhook {self._where}: {type(exc).__name__}: {exc}") from exc
+            raise RetryableError(f"webhook {self._where}: {self._error(exc)}") from exc
         self._raise_for(status, raw, retry_after, location)
+
+    def _error(self, exc: BaseException) -> str:
+        # The text ends up in last_error: an exception that quotes the URL
+        # it was given must not carry the URL's password there.
+        return f"{type(exc).__name__}: {scrub(str(exc), self.url)}"
 
     def _read(self, response: httpx.Response, limit: int, deadline: float) -> bytes:
         """Up to ``limit`` bytes of the body, without overrunning the deadline.
@@ -420,7 +417,7 @@ class WebhookPublisher:
             delay = parse_retry_after(retry_after, cap=self.max_retry_after)
             raise RetryableError(detail, retry_after=delay)
         if 300 <= status < 400:
-            target = f" to {_redact(location)}" if location else ""
+            target = f" to {redact_url(location)}" if location else ""
             raise PermanentError(
                 f"webhook {self._where}: HTTP {status} redirect{target}; redirects are not "
                 "followed, configure the final URL"

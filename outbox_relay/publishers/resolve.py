@@ -1,50 +1,18 @@
-"""The publisher protocol and the resolution of ``OUTBOX_PUBLISHER``."""
+"""Turn a publisher setting (``OUTBOX_PUBLISHER``) into a publisher: the scheme dispatch."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from ..model import Message
+from .broker import BROKER_SCHEMES, BrokerPublisher
+from .celery_task import CeleryTaskPublisher
+from .protocol import Publisher, load_callable
+from .routing import Router
+from .webhook import WebhookPublisher
 
-__all__ = ["Publisher", "load_callable", "publisher_timeout", "resolve_publisher"]
-
-Publisher = Callable[[Message], Any]
-
-
-def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:
-    """Import ``package.module:attribute`` and check that it is callable."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ConfigError(f"{setting}={spec!r} must look like 'package.module:callable'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{setting}={spec!r}: cannot import {module_name!r}: {exc}") from exc
-    target: Any = module
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ConfigError(
-                f"{setting}={spec!r}: module {module_name!r} has no attribute {attribute!r}"
-            ) from None
-    if not callable(target):
-        raise ConfigError(f"{setting}={spec!r} is not callable")
-    return target  # type: ignore[no-any-return]
-
-
-def publisher_timeout(publisher: Publisher) -> float | None:
-    """The worst-case duration of one publish, when the publisher declares it.
-
-    URL-based publishers expose ``timeout_seconds`` (a ``Router``: the largest
-    of its routes'); a plain callable declares nothing and returns None. The
-    relay's start-up check compares this with the lease.
-    """
-    value = getattr(publisher, "timeout_seconds", None)
-    return float(value) if isinstance(value, (int, float)) else None
+__all__ = ["resolve_publisher", "router_from_config"]
 
 
 def _scheme(spec: str) -> str:
@@ -55,11 +23,6 @@ def _from_target(
     target: str, setting: str, options: Mapping[str, Any], overrides: Mapping[str, Any]
 ) -> Publisher:
     """A URL or ``celery:task.name``, with per-route constructor overrides."""
-    # Imported here: each module pulls in its client library (httpx, kombu).
-    from .broker import BROKER_SCHEMES, BrokerPublisher
-    from .celery_task import CeleryTaskPublisher
-    from .webhook import WebhookPublisher
-
     scheme = _scheme(target)
     try:
         if scheme in ("http", "https"):
@@ -78,6 +41,34 @@ def _from_target(
     )
 
 
+def router_from_config(
+    config: Mapping[str, Any],
+    *,
+    setting: str = "OUTBOX_PUBLISHER",
+    default: Any = None,
+    **options: Any,
+) -> Router:
+    """A ``Router`` from ``{pattern: spec}``; ``default`` (or the key ``"default"``)
+    is the publisher spec for event types no pattern matches."""
+    routes: dict[str, Publisher] = {}
+    fallback: Publisher | None = None
+    if default is not None:
+        if "default" in config:
+            raise ConfigError(
+                f"{setting}: the default route is given twice (a 'default' key and default=)"
+            )
+        fallback = resolve_publisher(default, setting=f"{setting}[default]", **options)
+    for pattern, spec in config.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(f"{setting}: route keys must be event-type patterns")
+        publisher = resolve_publisher(spec, setting=f"{setting}[{pattern!r}]", **options)
+        if pattern == "default":
+            fallback = publisher
+        else:
+            routes[pattern] = publisher
+    return Router(routes, fallback)
+
+
 def resolve_publisher(spec: Any, *, setting: str = "OUTBOX_PUBLISHER", **options: Any) -> Publisher:
     """Turn a publisher setting into a callable.
 
@@ -94,7 +85,7 @@ def resolve_publisher(spec: Any, *, setting: str = "OUTBOX_PUBLISHER", **options
     * any other mapping: event-type patterns to publisher specs (``Router``).
 
     ``options`` is the relay's option bag (``publish_timeout_seconds``,
-    ``webhook_secret``, ``broker_exchange`` ...; see docs/publishers.md);
+    ``webhook_secret``, ``kombu_exchange`` ...; see docs/publishers.md);
     each publisher reads its own names and ignores the rest.
     """
     if spec is None or spec == "":
@@ -113,9 +104,7 @@ def resolve_publisher(spec: Any, *, setting: str = "OUTBOX_PUBLISHER", **options
             if not isinstance(target, str):
                 raise ConfigError(f"{setting}: 'url' and 'task' must be strings")
             return _from_target(target, setting, options, overrides)
-        from .routing import Router
-
-        return Router.from_config(spec, setting=setting, **options)
+        return router_from_config(spec, setting=setting, **options)
     if callable(spec):
         return spec  # type: ignore[no-any-return]
     if not isinstance(spec, str):

@@ -1,0 +1,53 @@
+"""What a publisher is, and what the relay asks of one.
+
+A publisher is any callable ``publish(message) -> None`` that raises
+``RetryableError``, ``PermanentError`` or ``Defer`` on failure. The concrete
+publishers (webhook, broker, celery_task, routing) import only this module;
+``resolve.py`` imports them, so no cycle runs through here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigError
+from ..model import Message
+
+__all__ = ["Publisher", "load_callable", "publisher_timeout"]
+
+Publisher = Callable[[Message], Any]
+
+
+def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:
+    """Import ``package.module:attribute`` and check that it is callable."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ConfigError(f"{setting}={spec!r} must look like 'package.module:callable'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{setting}={spec!r}: cannot import {module_name!r}: {exc}") from exc
+    target: Any = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(
+                f"{setting}={spec!r}: module {module_name!r} has no attribute {attribute!r}"
+            ) from None
+    if not callable(target):
+        raise ConfigError(f"{setting}={spec!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def publisher_timeout(publisher: Publisher) -> float | None:
+    """The worst-case duration of one publish, when the publisher declares it.
+
+    URL-based publishers expose ``timeout_seconds`` (a ``Router``: the largest
+    of its routes'); a plain callable declares nothing and returns None. The
+    relay's start-up check compares this with the lease.
+    """
+    value = getattr(publisher, "timeout_seconds", None)
+    return float(value) if isinstance(value, (int, float)) else None
