@@ -18,6 +18,7 @@ of acting twice (what ``outbox_relay.inbox`` does with a database).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -113,6 +114,14 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a kept-alive connection must not hold up shutdown
     stats: Stats
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A worker the demo stops (at the end, or on Ctrl-C) drops its
+        # kept-alive connections, possibly mid-request: expected, and a
+        # traceback on the demo's screen would read like a failure.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class Receiver:
