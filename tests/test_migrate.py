@@ -15,7 +15,8 @@ import outbox_relay
 from outbox_relay import InvalidIdentifier, OutboxTable, store
 from outbox_relay.model import LeaseRef
 from outbox_relay.sql.queries import migrations_for
-from outbox_relay.relay import Relay, dispatch_once
+from outbox_relay import Deliverer, DirectDatabase, dispatch_once
+from outbox_relay.model import Outcome
 
 LATEST = max(m.version for m in migrations_for(OutboxTable()))
 # The indexes migration 0001 creates besides the primary key.
@@ -180,14 +181,15 @@ def test_custom_schema_and_table_work_for_every_query(conn: psycopg.Connection[A
     assert [c.id for c in claimed] == [first, ids[1]]
     assert store.mark_done(conn, claimed[0], table=table, now=now)
     assert store.extend_lease(conn, claimed[1], lease=lease, table=table, now=now)
-    assert store.load_leased(conn, [claimed[1].ref], table=table, now=now).keys() == {ids[1]}
+    began = store.begin(conn, [claimed[1].ref], needed=timedelta(0), table=table, now=now)
+    assert began.keys() == {ids[1]}
     assert store.reschedule(
         conn, claimed[1], delay=timedelta(0), error="x", refund_attempt=True, table=table, now=now
     )
     claimed = store.claim(conn, owner="w", batch=10, lease=lease, table=table, now=now)
     assert [c.id for c in claimed] == ids
     assert store.mark_dead(conn, claimed[0], error="boom", table=table, now=now)
-    assert store.finalize(conn, [store.Outcome.done(claimed[1])], table=table, now=now) == {ids[1]}
+    assert store.finalize(conn, [Outcome.done(claimed[1])], table=table, now=now) == {ids[1]}
     assert store.in_flight(conn, table=table) == 0
     stats = store.stats(conn, table=table, now=now)
     assert (stats["pending"], stats["processing"], stats["done"], stats["dead"]) == (0, 0, 2, 1)
@@ -204,9 +206,8 @@ def test_custom_schema_and_table_work_for_every_query(conn: psycopg.Connection[A
         conn, table=table, aggregate_type="a", aggregate_id="9", event_type="e", payload={}
     )
     [held] = store.claim(conn, owner="w", batch=1, lease=timedelta(minutes=5), table=table)
-    report = Relay(lambda m: published.append(m.id), table=table).deliver(
-        conn, [LeaseRef(held.id, held.lease_version)]
-    )
+    deliverer = Deliverer(lambda m: published.append(m.id), db=DirectDatabase(conn), table=table)
+    report = deliverer.deliver([LeaseRef(held.id, held.lease_version)])
     assert report.done == 1
     assert published == [extra, last]
     assert conn.execute("SELECT count(*) FROM public.outbox").fetchone() == (0,)
@@ -256,9 +257,9 @@ def test_invalid_table_names_are_rejected_before_touching_the_database(
     with pytest.raises(InvalidIdentifier, match=pattern):
         store.claim(closed, owner="w", batch=1, lease=timedelta(seconds=1), table=name)
     with pytest.raises(InvalidIdentifier, match=pattern):
-        store.finalize(closed, [store.Outcome.done(LeaseRef(1, 1))], table=name)
+        store.finalize(closed, [Outcome.done(LeaseRef(1, 1))], table=name)
     with pytest.raises(InvalidIdentifier, match=pattern):
-        Relay(print, table=name)
+        Deliverer(print, db=DirectDatabase(closed), table=name)
 
 
 def test_invalid_identifier_is_a_config_error_and_nothing_was_created(

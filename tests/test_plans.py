@@ -5,9 +5,9 @@ These tests read ``EXPLAIN (FORMAT JSON)`` of the exact SQL the store runs
 (``queries_for``), with literal parameters bound client-side, and fail when
 a plan walks the table or the wrong index:
 
-* claim: each branch walks its own partial index (``outbox_ready`` for due
-  pending rows, ``outbox_leased`` for expired leases), never past the
-  million finished rows;
+* claim walks ``outbox_ready`` for due pending rows and counts live leases
+  through ``outbox_leased``; the rescuer walks ``outbox_leased`` for expired
+  leases; neither ever walks past the million finished rows;
 * the fenced statements (finalize, lease renewal, the fence check before a
   publish) probe the primary key, never a partial index: see the comment on
   ``finalize`` in ``sql/queries.sql`` for the thin-statistics trap.
@@ -151,9 +151,19 @@ def describe(plan: dict[str, Any], depth: int = 0) -> str:
     return "\n".join(lines)
 
 
+def without_initplans(plan: dict[str, Any]) -> dict[str, Any]:
+    """``plan`` minus its InitPlans (the claim's live-lease count in its LIMIT)."""
+    children = [
+        without_initplans(child)
+        for child in plan.get("Plans", [])
+        if not child.get("Subplan Name", "").startswith("InitPlan")
+    ]
+    return {**plan, "Plans": children}
+
+
 def assert_walks_only(plan: dict[str, Any], branch: str, index: str) -> None:
     """The CTE ``branch`` reads the table only through ``index``."""
-    scans = outbox_scans(subplan(plan, branch))
+    scans = outbox_scans(without_initplans(subplan(plan, branch)))
     assert scans, f"{branch} reads no outbox index:\n{describe(plan)}"
     # The first scan is the branch's own; any later ones are NOT EXISTS probes.
     kind, used = scans[0]
@@ -172,25 +182,27 @@ def assert_probes_primary_key(plan: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- parameters
-def claim_params(ordered: bool | list[str] = False) -> dict[str, Any]:
-    params: dict[str, Any] = {
+def claim_params(ordered: bool | list[str] = False, room: int | None = 1000) -> dict[str, Any]:
+    return {
         "owner": "w",
         "batch": 50,
+        "room": room,
         "lease": LEASE,
         "max_attempts": 12,
+        "count_attempt": 0,
         "now": None,
+        "all_ordered": ordered is True,
+        "ordered_types": [] if isinstance(ordered, bool) else ordered,
     }
-    if ordered is not False:
-        params["all_ordered"] = ordered is True
-        params["ordered_types"] = [] if ordered is True else ordered
-    return params
 
 
 def one_params(message_id: int) -> dict[str, Any]:
-    """Parameters of the single-message statements (finalize_one, load_leased_one)."""
+    """Parameters of the single-message statements (finalize_one, begin_one)."""
     return {
         "id": message_id,
         "version": 1,
+        "needed": timedelta(seconds=10),
+        "count_attempt": 1,
         "status": "done",
         "delay": timedelta(0),
         "refund": 0,
@@ -231,10 +243,25 @@ def test_fixture_holds_a_million_finished_rows(big: psycopg.Connection[Any]) -> 
     assert row is not None and row[0] >= FINISHED_ROWS
 
 
-def test_claim_walks_the_ready_and_leased_indexes(big: psycopg.Connection[Any]) -> None:
-    plan = explain(big, Q.claim, claim_params())
+def assert_counts_live_leases_on_the_leased_index(plan: dict[str, Any]) -> None:
+    """The in-flight count (an InitPlan of the claim's LIMIT) reads outbox_leased only."""
+    counts = [
+        node
+        for node in nodes(plan)
+        if node.get("Subplan Name", "").startswith("InitPlan")
+        and {index for _, index in outbox_scans(node)} == {"outbox_leased"}
+    ]
+    assert counts, f"the live-lease count does not walk outbox_leased:\n{describe(plan)}"
+
+
+@pytest.mark.parametrize("room", [1000, None], ids=["capped", "uncapped"])
+def test_claim_walks_the_ready_index_and_counts_on_the_leased_one(
+    big: psycopg.Connection[Any], room: int | None
+) -> None:
+    plan = explain(big, Q.claim, claim_params(room=room))
     assert_walks_only(plan, "CTE ready", "outbox_ready")
-    assert_walks_only(plan, "CTE expired", "outbox_leased")
+    if room is not None:
+        assert_counts_live_leases_on_the_leased_index(plan)
     assert "Seq Scan" not in {kind for kind, _ in outbox_scans(plan)}, describe(plan)
 
 
@@ -242,9 +269,8 @@ def test_claim_walks_the_ready_and_leased_indexes(big: psycopg.Connection[Any]) 
 def test_ordered_claim_walks_the_same_indexes_and_probes_unfinished_rows(
     big: psycopg.Connection[Any], ordered: bool | list[str]
 ) -> None:
-    plan = explain(big, Q.claim_ordered, claim_params(ordered))
+    plan = explain(big, Q.claim, claim_params(ordered))
     assert_walks_only(plan, "CTE ready", "outbox_ready")
-    assert_walks_only(plan, "CTE expired", "outbox_leased")
     scans = outbox_scans(plan)
     assert "Seq Scan" not in {kind for kind, _ in scans}, describe(plan)
     # The "earlier unfinished message?" probe uses the per-aggregate index,
@@ -252,11 +278,16 @@ def test_ordered_claim_walks_the_same_indexes_and_probes_unfinished_rows(
     assert "outbox_unfinished_agg" in {index for _, index in scans}, describe(plan)
 
 
-def test_reap_walks_the_leased_index(big: psycopg.Connection[Any]) -> None:
-    plan = explain(big, Q.reap, {"max_attempts": 12, "batch": 1000, "now": None})
+def test_rescue_walks_the_leased_index(big: psycopg.Connection[Any]) -> None:
+    plan = explain(big, Q.rescue, {"max_attempts": 12, "batch": 1000, "now": None})
     scans = outbox_scans(plan)
     assert scans[0] == ("Index Scan", "outbox_leased"), describe(plan)
     assert "Seq Scan" not in {kind for kind, _ in scans}, describe(plan)
+
+
+def test_in_flight_count_walks_the_leased_index(big: psycopg.Connection[Any]) -> None:
+    plan = explain(big, Q.in_flight, {"now": None})
+    assert {index for _, index in outbox_scans(plan)} == {"outbox_leased"}, describe(plan)
 
 
 @pytest.mark.parametrize("batch", [1, 50])
@@ -264,12 +295,17 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
     ids = live_ids(big, batch)
     assert_probes_primary_key(explain(big, Q.finalize, finalize_params(ids)))
     assert_probes_primary_key(explain(big, Q.extend_lease, fence_params(ids)))
-    assert_probes_primary_key(
-        explain(big, Q.load_leased, {"ids": ids, "versions": [1] * batch, "now": None})
-    )
+    begin = {
+        "ids": ids,
+        "versions": [1] * batch,
+        "needed": timedelta(seconds=10),
+        "count_attempt": 1,
+        "now": None,
+    }
+    assert_probes_primary_key(explain(big, Q.begin, begin))
     # The per-message deliver task's own statements.
     assert_probes_primary_key(explain(big, Q.finalize_one, one_params(ids[0])))
-    assert_probes_primary_key(explain(big, Q.load_leased_one, one_params(ids[0])))
+    assert_probes_primary_key(explain(big, Q.begin_one, one_params(ids[0])))
 
 
 def _to_positional(query: str) -> tuple[str, list[str]]:
@@ -301,10 +337,15 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "batch": "50",
         "lease": "'60 seconds'::interval",
         "max_attempts": "12",
+        "room": "1000",
+        "count_attempt": "0",
+        "all_ordered": "false",
+        "ordered_types": "'{}'::text[]",
+        "needed": "'10 seconds'::interval",
     }
     plans = {}
     try:
-        for name in ("finalize", "extend_lease", "claim"):
+        for name in ("finalize", "extend_lease", "begin", "claim"):
             text, names = _to_positional(getattr(Q, name))
             big.execute(f"PREPARE plan_{name} AS {text}")
             args = ", ".join(literals[n] for n in names)
@@ -316,8 +357,9 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         big.execute("RESET plan_cache_mode")
     assert_probes_primary_key(plans["finalize"])
     assert_probes_primary_key(plans["extend_lease"])
+    assert_probes_primary_key(plans["begin"])
     assert_walks_only(plans["claim"], "CTE ready", "outbox_ready")
-    assert_walks_only(plans["claim"], "CTE expired", "outbox_leased")
+    assert_counts_live_leases_on_the_leased_index(plans["claim"])
 
 
 # ---------------------------------------------------------------- thin statistics

@@ -447,10 +447,10 @@ def test_ordered_event_types_from_settings_take_the_lock(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # OUTBOX_ORDERED_EVENT_TYPES decides when ordered= is not given.
-    from outbox_relay import producer as producer_module
+    from outbox_relay import _defaults
 
     monkeypatch.setenv("OUTBOX_ORDERED_EVENT_TYPES", "order.paid")
-    producer_module._env_settings.cache_clear()
+    _defaults.reset()
     try:
         with (
             psycopg.connect(dsn) as first,
@@ -465,4 +465,130 @@ def test_ordered_event_types_from_settings_take_the_lock(
                 order_created(second, event_type="order.paid")
             first.rollback()
     finally:
-        producer_module._env_settings.cache_clear()
+        _defaults.reset()
+
+
+# ---------------------------------------------------------------- one configuration
+def ordered_flags(conn: psycopg.Connection[Any]) -> dict[int, bool]:
+    return dict(conn.execute("SELECT id, ordered FROM outbox ORDER BY id").fetchall())
+
+
+def test_ordering_is_written_on_the_row_and_the_relay_follows_it(
+    conn: psycopg.Connection[Any],
+) -> None:
+    outbox = outbox_relay.Outbox(ordered_event_types=["order.*"])
+    first = outbox.enqueue(
+        conn, aggregate_type="order", aggregate_id="7", event_type="order.paid", payload={}
+    )
+    second = outbox.enqueue(
+        conn, aggregate_type="order", aggregate_id="7", event_type="order.shipped", payload={}
+    )
+    loose = outbox.enqueue(
+        conn, aggregate_type="order", aggregate_id="7", event_type="note.added", payload={}
+    )
+    assert ordered_flags(conn) == {first: True, second: True, loose: False}
+    # A relay configured with no ordering at all still claims the ordered rows
+    # one at a time per aggregate: the row says so.
+    lease = timedelta(seconds=30)
+    claimed = outbox_relay.claim(conn, owner="relay", batch=10, lease=lease)
+    assert [m.id for m in claimed] == [first, loose]
+    assert outbox_relay.mark_done(conn, claimed[0])
+    [nxt] = outbox_relay.claim(conn, owner="relay", batch=10, lease=lease)
+    assert nxt.id == second and nxt.ordered
+
+
+def test_install_shares_its_outbox_with_producers(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Celery
+
+    from outbox_relay import _defaults
+
+    _defaults.reset()
+    try:
+        app = Celery("shop", broker="memory://", set_as_current=False)
+        app.conf.outbox_ordered_event_types = ["invoice.issued"]
+        inst = outbox_relay.install(app, dsn=dsn, publisher=print)
+        assert inst.settings.ordered_event_types == ("invoice.issued",)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            # The module-level enqueue uses the installed app's outbox.
+            issued = enqueue(
+                conn,
+                aggregate_type="invoice",
+                aggregate_id="1",
+                event_type="invoice.issued",
+                payload={},
+            )
+            assert ordered_flags(conn) == {issued: True}
+    finally:
+        _defaults.reset()
+
+
+def test_an_outbox_given_to_install_decides_the_producer_settings() -> None:
+    from celery import Celery
+
+    outbox = outbox_relay.Outbox(table="shop.events", ordered_event_types="order.paid")
+    app = Celery("shop", broker="memory://", set_as_current=False)
+    inst = outbox.install(app, dsn="postgresql://db/app", publisher=print)
+    assert (inst.settings.table, inst.settings.ordered_event_types) == (
+        "shop.events",
+        ("order.paid",),
+    )
+    other = Celery("billing", broker="memory://", set_as_current=False)
+    with pytest.raises(outbox_relay.ConfigError, match="table"):
+        outbox.install(other, table="other.outbox")
+
+
+def test_a_producer_validates_only_producer_settings(
+    conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from outbox_relay import _defaults
+
+    # A shared .env with a lease too short for the relay's publish timeout.
+    monkeypatch.setenv("OUTBOX_LEASE_SECONDS", "1")
+    _defaults.reset()
+    try:
+        assert order_created(conn) > 0
+        assert outbox_relay.Outbox().enqueue(
+            conn, aggregate_type="o", aggregate_id="1", event_type="e", payload={}
+        )
+        with pytest.raises(outbox_relay.ConfigError, match="OUTBOX_LEASE_SECONDS"):
+            outbox_relay.Settings.load()
+    finally:
+        _defaults.reset()
+
+
+def test_producer_locks_are_taken_in_a_stable_order(dsn: str) -> None:
+    # Two transactions writing aggregates A,B and B,A must queue, not deadlock:
+    # every enqueue_many takes its ordered aggregates' locks sorted, before
+    # writing. Shown precisely: while A is held, a batch "B then A" waits on A
+    # without holding B, so a third producer writes B at once.
+    def msg(aggregate: str) -> NewMessage:
+        return NewMessage("order", aggregate, "order.paid", {"a": aggregate})
+
+    with (
+        psycopg.connect(dsn) as first,
+        psycopg.connect(dsn) as second,
+        psycopg.connect(dsn, autocommit=True) as third,
+    ):
+        first.execute("SELECT 1")
+        outbox_relay.enqueue_many(first, [msg("A")], ordered=True)
+        second_pid = second.info.backend_pid
+        done: list[Any] = []
+
+        def run() -> None:
+            try:
+                second.execute("SELECT 1")
+                done.append(outbox_relay.enqueue_many(second, [msg("B"), msg("A")], ordered=True))
+                second.commit()
+            except BaseException as exc:
+                done.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_until(lambda: backend_waits_on(third, second_pid, "advisory"), "second waits on A")
+        third.execute("SET lock_timeout = '2s'")
+        outbox_relay.enqueue_many(third, [msg("B")], ordered=True)  # B is free
+        first.commit()
+        thread.join(10)
+        assert len(done) == 1 and isinstance(done[0], list), done

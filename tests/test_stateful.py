@@ -2,8 +2,13 @@
 
 Hypothesis drives several simulated workers through enqueue, claim, publish
 and finalize (done / retryable / defer / permanent), crashes, lease renewals,
-stale writes from workers whose lease was taken over, and a clock that jumps
-forward. Time is the machine's own ``now``, passed to every store call.
+stale writes from workers whose lease was taken over, a rescuer freeing
+expired leases on its own, and a clock that jumps forward. Time is the
+machine's own ``now``, passed to every store call.
+
+Two modes: the articles' claim (it rescues first and counts the attempt),
+and the Celery relay's (the rescuer is its own actor, the claim respects an
+in-flight cap, and a delivery counts its attempt when it begins).
 
 After every step the database must satisfy the outbox's invariants:
 
@@ -14,8 +19,9 @@ After every step the database must satisfy the outbox's invariants:
 * ``attempts`` never exceeds ``max_attempts``; ``lease_version`` counts every
   claim, so it is never below ``attempts``;
 * ``status = 'processing'`` exactly when ``lease_until`` is set;
-* with ordered claims, an aggregate's rows after its first unfinished one
-  were never claimed.
+* with ordered rows, an aggregate's rows after its first unfinished one
+  were never claimed;
+* in relay mode, live leases never exceed the in-flight cap.
 
 At teardown, once failures stop (publishing always succeeds, time jumps far
 ahead), draining with claims leaves every row ``done`` or ``dead`` (or, with
@@ -50,11 +56,13 @@ from outbox_relay import (
     enqueue_many,
     store,
 )
+from outbox_relay.model import Outcome
 
 WORKERS = ("w0", "w1", "w2")
 LEASE_SECONDS = 30
 LEASE = timedelta(seconds=LEASE_SECONDS)
 MAX_ATTEMPTS = 3
+CAP = 5
 POLICY = RetryPolicy(
     max_attempts=MAX_ATTEMPTS,
     backoff_base=1.0,
@@ -91,6 +99,7 @@ class Held:
 
     claimed: Claimed
     lease_until: datetime
+    begun: bool = False
 
 
 def failure(kind: str) -> BaseException | None:
@@ -119,9 +128,25 @@ def test_outbox_state_machine(dsn: str) -> None:
             self.held: dict[str, dict[tuple[int, int], Held]] = {w: {} for w in WORKERS}
             self.enqueued = 0
             self.ordered = False
+            self.relay = False
 
         # ------------------------------------------------------------ helpers
         def claim(self, worker: str, batch: int) -> list[Claimed]:
+            if self.relay:
+                # The Celery relay's claim: ordering from the rows, a cap on
+                # live leases, no rescue (the rescuer's job), no attempt
+                # counted (the delivery counts it when it begins).
+                return store.claim(
+                    conn,
+                    owner=worker,
+                    batch=batch,
+                    lease=LEASE,
+                    max_attempts=MAX_ATTEMPTS,
+                    max_in_flight=CAP,
+                    rescue_first=False,
+                    count_attempt=False,
+                    now=self.now,
+                )
             return store.claim(
                 conn,
                 owner=worker,
@@ -131,6 +156,9 @@ def test_outbox_state_machine(dsn: str) -> None:
                 ordered=self.ordered,
                 now=self.now,
             )
+
+        def rescue_now(self) -> None:
+            store.rescue(conn, max_attempts=MAX_ATTEMPTS, now=self.now)
 
         def holding(self) -> list[tuple[str, tuple[int, int]]]:
             return [(w, key) for w in WORKERS for key in sorted(self.held[w])]
@@ -150,9 +178,10 @@ def test_outbox_state_machine(dsn: str) -> None:
             ]
 
         # ------------------------------------------------------------ rules
-        @initialize(ordered=st.booleans())
-        def choose_claim_mode(self, ordered: bool) -> None:
+        @initialize(ordered=st.booleans(), relay=st.booleans())
+        def choose_claim_mode(self, ordered: bool, relay: bool) -> None:
             self.ordered = ordered
+            self.relay = relay
 
         @rule(
             aggregates=st.lists(st.sampled_from("ABC"), min_size=1, max_size=4),
@@ -162,6 +191,9 @@ def test_outbox_state_machine(dsn: str) -> None:
             enqueue_many(
                 conn,
                 [NewMessage("order", a, "order.event", {"a": a}, delay=delay) for a in aggregates],
+                # The relay mode orders by the producer's mark on the row;
+                # the articles' mode by the claim's ``ordered`` argument.
+                ordered=self.ordered and self.relay,
                 now=self.now,
             )
             self.enqueued += len(aggregates)
@@ -197,13 +229,43 @@ def test_outbox_state_machine(dsn: str) -> None:
             # The common road to a stale worker: leases run out (the holder
             # stalled), and another worker claims the rows.
             self.now += LEASE + timedelta(seconds=1)
+            if self.relay:
+                self.rescue_now()
             self.claim_batch(worker, batch)
+
+        @rule()
+        def rescuer(self) -> None:
+            # The rescuer as its own actor, at any moment: it frees expired
+            # leases only, whatever the in-flight room.
+            before = table()
+            result = store.rescue(conn, max_attempts=MAX_ATTEMPTS, now=self.now)
+            after = table()
+            expired = {
+                i
+                for i, r in before.items()
+                if r.status == "processing" and r.lease_until is not None
+                and r.lease_until < self.now
+            }
+            assert set(result.released) | set(result.dead) == expired
+            for i, r in after.items():
+                if i not in expired:
+                    assert r == before[i], "the rescuer touched a live or finished row"
+                    continue
+                assert (r.lease_until, r.lease_owner) == (None, None)
+                assert r.lease_version == before[i].lease_version
+                if before[i].attempts >= MAX_ATTEMPTS:
+                    assert i in result.dead and r.status == "dead" and r.last_error
+                else:
+                    assert i in result.released and r.status == "pending"
+                    assert r.available_at <= self.now
 
         @precondition(lambda self: bool(self.holding()))
         @rule(index=st.integers(0, 50), kind=st.sampled_from(OUTCOMES))
         def publish_and_finalize(self, index: int, kind: str) -> None:
             worker, key, held = self.pick(index)
             del self.held[worker][key]
+            if self.relay and not held.begun:
+                self.begin(held)
             before = table()
             current = before[key[0]]
             mine = current.lease_version == key[1] and current.status == "processing"
@@ -236,6 +298,35 @@ def test_outbox_state_machine(dsn: str) -> None:
                 assert row.available_at == self.now + DEFER
                 assert row.attempts == current.attempts - 1
 
+        def begin(self, held: Held) -> None:
+            """The delivery task begins: fence check, attempt counted."""
+            before = table()
+            ref = held.claimed.ref
+            row = before[ref.id]
+            mine = row.lease_version == ref.lease_version and row.status == "processing"
+            began = store.begin(conn, [ref], needed=timedelta(0), now=self.now)
+            after = table()
+            held.begun = True
+            if not mine:
+                assert began == {} and after == before, "a stale begin changed the table"
+                return
+            assert row.lease_until is not None
+            if row.lease_until < self.now:
+                # Expired (not yet rescued): returned unstarted, nothing counted.
+                assert not began[ref.id].started and after == before
+                return
+            assert began[ref.id].started
+            assert began[ref.id].claimed.attempts == row.attempts + 1
+            assert after[ref.id].attempts == row.attempts + 1
+            held.claimed = began[ref.id].claimed
+
+        @precondition(lambda self: self.relay and bool(self.holding()))
+        @rule(index=st.integers(0, 50))
+        def begin_delivery(self, index: int) -> None:
+            _, _, held = self.pick(index)
+            if not held.begun:
+                self.begin(held)
+
         @precondition(lambda self: bool(self.stale_entries()))
         @rule(index=st.integers(0, 50), kind=st.sampled_from((*OUTCOMES, "renew")))
         def stale_write(self, index: int, kind: str) -> None:
@@ -257,6 +348,8 @@ def test_outbox_state_machine(dsn: str) -> None:
             before = table()
             current = before[key[0]]
             mine = current.lease_version == key[1] and current.status == "processing"
+            # Only a live lease is renewed; an expired one is the rescuer's.
+            mine = mine and current.lease_until is not None and current.lease_until >= self.now
             kept = store.extend_lease(conn, held.claimed, lease=LEASE, now=self.now)
             after = table()
             assert kept is mine
@@ -316,6 +409,18 @@ def test_outbox_state_machine(dsn: str) -> None:
                     assert row.last_error, row
 
         @invariant()
+        def live_leases_stay_under_the_cap(self) -> None:
+            if not self.relay:
+                return
+            live = [
+                r
+                for r in table().values()
+                if r.status == "processing" and r.lease_until is not None
+                and r.lease_until >= self.now
+            ]
+            assert len(live) <= CAP, live
+
+        @invariant()
         def ordered_aggregates_were_claimed_in_order(self) -> None:
             if not self.ordered:
                 return
@@ -339,11 +444,12 @@ def test_outbox_state_machine(dsn: str) -> None:
             # Failures stop: every publish succeeds from now on, and time jumps
             # past every lease, backoff and defer.
             self.now += timedelta(days=1)
+            self.rescue_now()
             for _ in range(self.enqueued + 2):
                 claimed = self.claim("drain", 50)
                 if not claimed:
                     break
-                done = store.finalize(conn, [store.Outcome.done(m) for m in claimed], now=self.now)
+                done = store.finalize(conn, [Outcome.done(m) for m in claimed], now=self.now)
                 assert done == {m.id for m in claimed}
             assert self.claim("drain", 50) == []
             rows = table()

@@ -160,9 +160,9 @@ class Deliverer:
         )
         ready, released = self._sort(refs, began, worst, report)
         hold: Hold | None = None
-        if self.keeper is not None and any(
-            self.keeper.needs_hold(row.lease_left_seconds, worst) for row in ready
-        ):
+        if self.keeper is not None and ready:
+            # Renewed only while the chunk is within its worst case; after
+            # that a hung publisher lets the lease lapse (the rescuer frees it).
             pairs = [(row.claimed.ref, row.lease_left_seconds) for row in ready]
             hold = self.keeper.hold(pairs, max_hold=worst)
         interrupted: BaseException | None = None
@@ -220,6 +220,8 @@ class Deliverer:
         if stop.is_set():
             return _NotPublished("the delivery task was interrupted"), 0.0
         if hold is not None and not hold.alive(msg.ref, self.publish_timeout):
+            # Lost, or too little left for one more publish: a later wave of
+            # the chunk is not published past its lease.
             return _NotPublished("the chunk's lease was lost or ran short"), 0.0
         started = time.perf_counter()
         try:

@@ -93,10 +93,6 @@ class LeaseKeeper:
     def period(self) -> float:
         return max(min(self._lease.total_seconds() / 6.0, 5.0), 0.05)
 
-    def needs_hold(self, lease_left: float, worst: float) -> bool:
-        """Whether a delivery could get to renewal time before it ends."""
-        return lease_left - worst < self._lease.total_seconds() / 2.0
-
     def hold(self, rows: Iterable[tuple[LeaseRef, float]], *, max_hold: float) -> Hold:
         """Keep ``(ref, lease_left_seconds)`` rows for at most ``max_hold`` seconds."""
         now = self.clock()

@@ -244,12 +244,15 @@ RETURNING o.id;
 -- name: extend_lease
 -- Fenced lease renewal (the heartbeat of long chunks), measured by the
 -- database's clock: returns each renewed row with the lease it now has left.
+-- Only a live lease is renewed: an expired one no longer counts against the
+-- in-flight cap (a claim may have used its room) and is the rescuer's to free,
+-- so a late heartbeat must not bring it back.
 UPDATE {table} AS o
    SET lease_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
   FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
-   AND o.lease_until IS NOT NULL
+   AND o.lease_until >= coalesce(%(now)s::timestamptz, now())
 RETURNING o.id,
           extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8;
 
