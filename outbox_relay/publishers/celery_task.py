@@ -8,7 +8,6 @@ many times it arrives.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ._options import as_callable_or, constructor_kwargs
 from ._process import PerProcess
+from .protocol import import_object
 
 __all__ = ["CeleryTaskPublisher", "message_kwargs"]
 
@@ -38,19 +38,6 @@ def message_kwargs(message: Message) -> dict[str, Any]:
         "headers": dict(message.headers or {}),
         "created_at": message.created_at.isoformat() if message.created_at else None,
     }
-
-
-def _load_app(spec: str) -> Any:
-    module_name, sep, attribute = spec.partition(":")
-    if not sep:
-        module_name, _, attribute = spec.rpartition(".")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"cannot load the Celery app {spec!r}: {exc}") from exc
-    return target
 
 
 class CeleryTaskPublisher:
@@ -141,7 +128,9 @@ class CeleryTaskPublisher:
         if self._broker_url is not None:
             return self._own_app.get()
         if isinstance(self._app_spec, str):
-            self._app_spec = _load_app(self._app_spec)
+            self._app_spec = import_object(
+                self._app_spec, setting="celery_app", what="app", dotted=True
+            )
         if self._app_spec is not None:
             return self._app_spec
         from celery import current_app

@@ -15,16 +15,20 @@ from typing import Any
 from ..errors import ConfigError
 from ..model import Message
 
-__all__ = ["Publisher", "load_callable", "publisher_timeout"]
+__all__ = ["Publisher", "import_object", "load_callable", "publisher_timeout"]
 
 Publisher = Callable[[Message], Any]
 
 
-def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:
-    """Import ``package.module:attribute`` and check that it is callable."""
+def import_object(spec: str, *, setting: str, what: str = "name", dotted: bool = False) -> Any:
+    """Import ``package.module:attribute`` (also ``package.module.attribute`` when
+    ``dotted``); errors name ``setting``. One importer for every setting that
+    names Python code (publishers, routing keys, argument builders, apps)."""
     module_name, sep, attribute = spec.partition(":")
+    if not sep and dotted:
+        module_name, sep, attribute = spec.rpartition(".")
     if not sep or not module_name or not attribute:
-        raise ConfigError(f"{setting}={spec!r} must look like 'package.module:callable'")
+        raise ConfigError(f"{setting}={spec!r} must look like 'package.module:{what}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -37,6 +41,12 @@ def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:
             raise ConfigError(
                 f"{setting}={spec!r}: module {module_name!r} has no attribute {attribute!r}"
             ) from None
+    return target
+
+
+def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:
+    """Import ``package.module:attribute`` and check that it is callable."""
+    target = import_object(spec, setting=setting, what="callable")
     if not callable(target):
         raise ConfigError(f"{setting}={spec!r} is not callable")
     return target  # type: ignore[no-any-return]
