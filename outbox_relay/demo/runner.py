@@ -31,7 +31,6 @@ from rich.console import Console
 from .. import operations
 from .._redact import mask_dsn, scrub
 from ..errors import OutboxError
-from ..producer import enqueue
 from ..store import ops, schema
 from ..table import OutboxTable
 from .display import ProgressView, Sample
@@ -39,6 +38,7 @@ from .processes import CeleryProcess, delete_queue, start_celery
 from .receiver import Receiver
 from .report import Running, print_report
 from .services import DemoError, embedded_postgres, embedded_redis
+from .shop import OrderWriter
 
 __all__ = ["Demo", "DemoConfig", "DemoError"]
 
@@ -53,8 +53,6 @@ WORKER_SETTINGS = {
     "OUTBOX_BATCH_SIZE": "100",
 }
 WORKER_CONCURRENCY = 4
-# Orders are written over this many seconds, like traffic, not in one burst.
-ENQUEUE_SECONDS = 4.0
 POLL_SECONDS = 0.25
 
 
@@ -68,53 +66,6 @@ class DemoConfig:
     table: OutboxTable
     keep_running: bool = False
     timeout: float = 120.0
-
-
-class _Producer(threading.Thread):
-    """Writes the orders: each one an order row and its outbox event in one transaction."""
-
-    def __init__(self, dsn: str, table: OutboxTable, count: int, stop: threading.Event) -> None:
-        super().__init__(name="demo-orders", daemon=True)
-        self.dsn = dsn
-        self.table = table
-        self.count = count
-        self.stop = stop
-        self.enqueued = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        pause = ENQUEUE_SECONDS / self.count
-        try:
-            with psycopg.connect(self.dsn, autocommit=True, application_name="demo-shop") as conn:
-                for n in range(self.count):
-                    if self.stop.is_set():
-                        return
-                    customer, total = f"customer-{n % 37}", 1_000 + (n * 7_919) % 50_000
-                    # The business transaction: the order and its event commit
-                    # together, or neither exists.
-                    with conn.transaction():
-                        order_id = ops.insert_demo_order(
-                            conn, customer=customer, total_cents=total, table=self.table
-                        )
-                        enqueue(
-                            conn,
-                            aggregate_type="order",
-                            aggregate_id=order_id,
-                            event_type="order.created",
-                            payload={
-                                "order_id": order_id,
-                                "customer": customer,
-                                "total_cents": total,
-                                "currency": "EUR",
-                            },
-                            table=self.table,
-                            ordered=False,
-                            notify=True,
-                        )
-                    self.enqueued += 1
-                    self.stop.wait(pause)
-        except BaseException as exc:  # reported by the main thread
-            self.error = exc
 
 
 def _free_port() -> int:
@@ -328,7 +279,7 @@ class Demo:
         cfg = self.config
         with psycopg.connect(running.dsn, autocommit=True, application_name="demo-watch") as conn:
             baseline = operations.status(conn, table=cfg.table)
-            producer = _Producer(running.dsn, cfg.table, cfg.orders, self.stop_producing)
+            producer = OrderWriter(running.dsn, cfg.table, cfg.orders, self.stop_producing)
             self.stack.callback(self._stop_producer, producer)
             started = time.monotonic()
             producer.start()
@@ -369,7 +320,7 @@ class Demo:
                 soft_wrap=True,
             )
 
-    def _stop_producer(self, producer: _Producer) -> None:
+    def _stop_producer(self, producer: OrderWriter) -> None:
         self.stop_producing.set()
         producer.join(timeout=10)
 

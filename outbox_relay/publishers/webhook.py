@@ -18,19 +18,13 @@ any other 4xx                           ``PermanentError`` with an excerpt of th
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import hmac
 import json
 import logging
-import re
 import ssl
 import time
 import urllib.parse
 from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
-from email.utils import parsedate_to_datetime
+from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any
 
@@ -40,6 +34,7 @@ from .._parse import as_bool, as_mapping, bool_or_same
 from .._redact import redact_url, scrub
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
+from ._http import TOKEN, decode_secret, excerpt, header_value, parse_retry_after, sign
 from ._options import constructor_kwargs, split_budget
 from ._process import PerProcess
 
@@ -48,7 +43,6 @@ __all__ = ["WebhookPublisher", "parse_retry_after", "sign"]
 log = logging.getLogger("outbox_relay.publishers.webhook")
 
 # A receiver's error body is only quoted in last_error; read little of it.
-EXCERPT_CHARS = 300
 _EXCERPT_BYTES = 4096
 # A 2xx body is read (and discarded) so the connection can be reused; a
 # longer one is cut off and the connection closed instead.
@@ -76,12 +70,6 @@ _RESERVED = frozenset(
         "webhook-signature",
     }
 )
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
-# Everything printable in ASCII except "%" stays as is when a value must be
-# percent-encoded, so mostly-ASCII values stay readable.
-_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
-_SECRET_PREFIX = "whsec_"  # noqa: S105 - the format marker, not a secret
 
 
 def _user_agent() -> str:
@@ -90,76 +78,6 @@ def _user_agent() -> str:
     except metadata.PackageNotFoundError:  # running from a source tree
         version = "dev"
     return f"outbox-relay/{version}"
-
-
-def _header_value(value: str) -> str:
-    """A header-safe rendering: printable ASCII as is, anything else percent-encoded.
-
-    Aggregate ids and operation keys are user data; a newline in one must
-    never reach the wire (header injection), and non-ASCII is not portable.
-    The result is deterministic, so the idempotency key stays stable.
-    """
-    return value if _PRINTABLE.fullmatch(value) else urllib.parse.quote(value, safe=_SAFE)
-
-
-def _decode_secret(secret: str | bytes) -> bytes:
-    """The HMAC key from ``whsec_<base64>`` (or bare base64, or raw bytes)."""
-    if isinstance(secret, bytes):
-        key = secret
-    else:
-        text = secret.strip()
-        if text.startswith(_SECRET_PREFIX):
-            text = text[len(_SECRET_PREFIX) :]
-        try:
-            # The reference library accepts unpadded base64; so do we.
-            key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
-        except (binascii.Error, ValueError):
-            raise ConfigError(
-                "the webhook secret (webhook_secret) must be 'whsec_' followed by base64"
-            ) from None
-    if not key:
-        raise ConfigError("the webhook secret (webhook_secret) must not be empty")
-    return key
-
-
-def sign(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
-    """The ``webhook-signature`` value: ``v1,<base64 HMAC-SHA256 of id.timestamp.body>``."""
-    to_sign = msg_id.encode() + b"." + str(timestamp).encode() + b"." + body
-    digest = hmac.new(key, to_sign, hashlib.sha256).digest()
-    return "v1," + base64.b64encode(digest).decode("ascii")
-
-
-def parse_retry_after(
-    value: str | None, *, now: datetime | None = None, cap: float | None = None
-) -> timedelta | None:
-    """``Retry-After`` as a delay: delta-seconds or an HTTP date; None when absent or invalid."""
-    if value is None:
-        return None
-    text = value.strip()
-    if not text:
-        return None
-    seconds: float
-    if text.isdigit():
-        seconds = float(int(text))
-    else:
-        try:
-            when = parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:  # HTTP dates are GMT
-            when = when.replace(tzinfo=timezone.utc)
-        seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
-    seconds = max(0.0, seconds)
-    if cap is not None:
-        seconds = min(seconds, cap)
-    return timedelta(seconds=seconds)
-
-
-def _excerpt(raw: bytes) -> str:
-    text = " ".join(raw.decode("utf-8", errors="replace").split())
-    if len(text) > EXCERPT_CHARS:
-        text = text[: EXCERPT_CHARS - 3] + "..."
-    return text
 
 
 def _iso(moment: datetime) -> str:
@@ -211,9 +129,9 @@ class WebhookPublisher:
         # which is as much a sign of a dead peer as a slow connect.
         self.write_timeout = float(write_timeout if write_timeout is not None else connect_timeout)
         self.max_retry_after = float(max_retry_after)
-        self._key = _decode_secret(secret) if secret is not None else None
-        self._static_headers = {str(k): _header_value(str(v)) for k, v in (headers or {}).items()}
-        bad = [k for k in self._static_headers if not _TOKEN.fullmatch(k)]
+        self._key = decode_secret(secret) if secret is not None else None
+        self._static_headers = {str(k): header_value(str(v)) for k, v in (headers or {}).items()}
+        bad = [k for k in self._static_headers if not TOKEN.fullmatch(k)]
         if bad:
             raise ConfigError(f"invalid webhook header name(s): {', '.join(sorted(bad))}")
         if isinstance(verify, str):
@@ -322,22 +240,22 @@ class WebhookPublisher:
         for name, value in (message.headers or {}).items():
             if (
                 isinstance(value, (str, int, float, bool))
-                and _TOKEN.fullmatch(name)
+                and TOKEN.fullmatch(name)
                 and name.lower() not in _RESERVED
                 and not name.lower().startswith("outbox-")
             ):
-                headers[name] = _header_value(str(value))
+                headers[name] = header_value(str(value))
         headers.update(self._static_headers)
-        key = _header_value(message.idempotency_key)
+        key = header_value(message.idempotency_key)
         headers.update(
             {
                 "Content-Type": "application/json",
                 "User-Agent": self._user_agent,
                 "Idempotency-Key": key,
                 "Outbox-Message-Id": str(message.id),
-                "Outbox-Event-Type": _header_value(message.event_type),
-                "Outbox-Aggregate-Type": _header_value(message.aggregate_type),
-                "Outbox-Aggregate-Id": _header_value(message.aggregate_id),
+                "Outbox-Event-Type": header_value(message.event_type),
+                "Outbox-Aggregate-Type": header_value(message.aggregate_type),
+                "Outbox-Aggregate-Id": header_value(message.aggregate_id),
                 "Outbox-Attempt": str(message.attempts),
             }
         )
@@ -411,8 +329,8 @@ class WebhookPublisher:
     def _raise_for(
         self, status: int, raw: bytes, retry_after: str | None, location: str | None
     ) -> None:
-        excerpt = _excerpt(raw)
-        detail = f"webhook {self._where}: HTTP {status}" + (f": {excerpt}" if excerpt else "")
+        quoted = excerpt(raw)
+        detail = f"webhook {self._where}: HTTP {status}" + (f": {quoted}" if quoted else "")
         if status in _RETRYABLE_4XX or 500 <= status < 600:
             delay = parse_retry_after(retry_after, cap=self.max_retry_after)
             raise RetryableError(detail, retry_after=delay)
