@@ -19,8 +19,15 @@ task_ignore_result = True
 task_default_queue = "outbox"
 
 # The relay (each also readable as OUTBOX_<NAME> from the environment).
-outbox_dsn = os.environ.get("OUTBOX_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-outbox_publisher = os.environ.get("OUTBOX_PUBLISHER", "https://example.invalid/hooks/outbox")
+# No defaults for where the outbox lives and where messages go: a relay that
+# is not told must refuse to start, naming the setting, rather than read a
+# guessed database or publish to a placeholder URL. Keep passwords out of
+# OUTBOX_DSN (use PGPASSWORD or ~/.pgpass): `celery report` and Flower print
+# the settings.
+if os.environ.get("OUTBOX_DSN"):
+    outbox_dsn = os.environ["OUTBOX_DSN"]
+if os.environ.get("OUTBOX_PUBLISHER"):
+    outbox_publisher = os.environ["OUTBOX_PUBLISHER"]
 outbox_lease_seconds = float(os.environ.get("OUTBOX_LEASE_SECONDS", "60"))
 outbox_publish_timeout_seconds = float(os.environ.get("OUTBOX_PUBLISH_TIMEOUT_SECONDS", "10"))
 outbox_claim_interval_seconds = float(os.environ.get("OUTBOX_CLAIM_INTERVAL_SECONDS", "5"))
