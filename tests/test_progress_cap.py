@@ -1,0 +1,148 @@
+"""Progress at the in-flight cap: a worker dies holding a full cap of leases.
+
+The scenario that froze the relay for good: one worker (``-c 2``) with
+``OUTBOX_MAX_IN_FLIGHT=200`` works through 2,000 messages at 40 ms per
+publish. At the moment ``processing`` reaches the cap, the worker is frozen
+(SIGSTOP, so nothing finishes while we look), confirmed to hold the full cap,
+and SIGKILLed with its pool children; then the broker loses every queued task
+(FLUSHDB of the test's Redis database) and a fresh worker starts.
+
+Every lease the dead worker held is now stale but still counted as
+``processing``. The relay must rescue those leases on its own tick, whatever
+the room under the cap, and carry on: every message ends ``done`` (none
+``dead``, none unpublished) within a bounded time, and in no sample does
+``processing`` exceed the cap plus one claim batch.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from . import services
+from .apps import kit
+from .celery_procs import CeleryProcs
+
+pytestmark = [pytest.mark.celery, pytest.mark.slow]
+
+MESSAGES = 2000
+CAP = 200  # OUTBOX_MAX_IN_FLIGHT
+BATCH = 100  # OUTBOX_BATCH_SIZE: one claim takes at most this many
+CONCURRENCY = 2  # celery worker -c
+DELAY = 0.040  # seconds per publish
+LEASE = 6.0
+PUBLISH_TIMEOUT = 1.0
+CLAIM_INTERVAL = 1.0
+WORKER_START_SLACK = 10.0
+
+
+def _freeze_at_cap(worker, dsn: str, *, timeout: float = 30.0) -> dict[str, int]:
+    """SIGKILL ``worker`` at a moment it holds at least CAP leases; return the counts then.
+
+    The group is stopped first so no delivery finishes between the check and
+    the kill; when the count fell below the cap meanwhile, it resumes and we
+    look again.
+    """
+    import os
+
+    deadline = time.monotonic() + timeout
+    last: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        last = kit.status_counts(dsn)
+        if last.get("processing", 0) >= CAP:
+            os.killpg(worker.popen.pid, signal.SIGSTOP)
+            frozen = kit.status_counts(dsn)
+            if frozen.get("processing", 0) >= CAP:
+                worker.kill(signal.SIGKILL)
+                worker.popen.wait(10)
+                return frozen
+            os.killpg(worker.popen.pid, signal.SIGCONT)
+        time.sleep(0.005)
+    raise AssertionError(f"processing never reached the cap {CAP} in {timeout}s; saw {last}")
+
+
+def test_worker_killed_at_the_in_flight_cap_and_broker_flushed(dsn, tmp_path: Path):
+    broker = services.redis_url()
+    queue = kit.unique("outbox-cap")
+    kit.prepare_receiver(dsn)
+    procs = CeleryProcs(
+        {
+            "OUTBOX_DSN": dsn,
+            "CELERY_BROKER_URL": broker,
+            "OUTBOX_QUEUE": queue,
+            "OUTBOX_PUBLISHER": "tests.apps.receiver:record",
+            "RECEIVER_DSN": dsn,
+            "RECEIVER_DELAY_SECONDS": str(DELAY),
+            "OUTBOX_LEASE_SECONDS": str(LEASE),
+            "OUTBOX_PUBLISH_TIMEOUT_SECONDS": str(PUBLISH_TIMEOUT),
+            "OUTBOX_CLAIM_INTERVAL_SECONDS": str(CLAIM_INTERVAL),
+            "OUTBOX_BATCH_SIZE": str(BATCH),
+            "OUTBOX_MAX_IN_FLIGHT": str(CAP),
+        },
+        tmp_path,
+    )
+    sampler = kit.StatusSampler(dsn, interval=0.2)
+    try:
+        victim = procs.worker(concurrency=CONCURRENCY)
+        procs.beat()
+        sampler.start()
+        started = time.monotonic()
+        ids = kit.enqueue(dsn, MESSAGES)
+        enqueued = time.monotonic() - started
+
+        at_kill = _freeze_at_cap(victim, dsn)
+        assert at_kill.get("processing", 0) >= CAP, at_kill
+        client = kit.redis_client(broker)
+        client.flushdb()  # this test's Redis database only, never FLUSHALL
+        assert client.llen(queue) == 0
+
+        procs.worker(concurrency=CONCURRENCY)
+        ready = time.monotonic()
+
+        # Stranded leases expire within LEASE of the kill, the rescuer frees
+        # them within a tick or two, then the work itself: what is left at
+        # CONCURRENCY publishes of DELAY each, with room for the relay's own
+        # cost per message (measured at about 1.3x the bare publish time on a
+        # 2-CPU machine without the kill) and a busy machine.
+        left = MESSAGES - at_kill.get("done", 0)
+        budget = (
+            LEASE
+            + 2 * CLAIM_INTERVAL
+            + math.ceil(left * DELAY / CONCURRENCY * 2.0)
+            + WORKER_START_SLACK
+        )
+        try:
+            took = kit.wait_until(
+                lambda: kit.status_counts(dsn).get("done", 0) == MESSAGES,
+                timeout=budget,
+                interval=0.5,
+                describe=lambda: kit.status_counts(dsn),
+                what=f"all {MESSAGES} messages done after the kill and the flush",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\ncounts at the kill: {at_kill}\n{procs.logs()}") from None
+        samples = sampler.stop()
+        final = kit.status_counts(dsn)
+    finally:
+        sampler.halt()
+        procs.stop_all()
+
+    print(
+        f"\nenqueue {enqueued:.1f}s; at kill {at_kill}; all done {took:.1f}s after the fresh "
+        f"worker was ready (budget {budget:.0f}s); {len(samples)} samples"
+    )
+    assert final == {"done": MESSAGES}, final  # none dead, none left behind
+    assert kit.delivered_ids(dsn) == set(ids)  # every message really went out
+
+    worst = max(samples, key=lambda s: s.get("processing"))
+    assert worst.get("processing") <= CAP + BATCH, (
+        f"processing reached {worst.get('processing')} (cap {CAP} + batch {BATCH}): {worst.counts}"
+    )
+    # No freeze short of the end either: after the fresh worker is up, done
+    # grows again once the stranded leases expire and keeps growing.
+    stall = kit.longest_stall(samples, since=ready, total=MESSAGES)
+    assert stall <= 2 * LEASE, f"done stood still for {stall:.1f}s after the fresh worker started"
