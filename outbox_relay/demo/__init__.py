@@ -14,12 +14,29 @@ demo runs so that other ``outbox-relay`` commands never load it.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_ORDERS", "DEMO_TABLE", "run"]
+import os
+from dataclasses import dataclass
+
+from ..table import OutboxTable
+
+__all__ = ["DEFAULT_ORDERS", "DEMO_TABLE", "DemoConfig", "run"]
 
 DEFAULT_ORDERS = 300
 # The demo's own schema: pointed at your database (OUTBOX_DSN), it never
 # writes into an outbox that your relay delivers to real receivers.
 DEMO_TABLE = "outbox_demo.outbox"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What to run against; ``dsn``/``broker`` None means an embedded server."""
+
+    orders: int
+    dsn: str | None
+    broker: str | None
+    table: OutboxTable
+    keep_running: bool = False
+    timeout: float = 120.0
 
 
 def run(
@@ -35,10 +52,7 @@ def run(
     ``dsn`` None starts an embedded PostgreSQL; the broker is
     ``CELERY_BROKER_URL``, or an embedded Redis when that is unset.
     """
-    import os
-
-    from ..table import OutboxTable
-    from .runner import Demo, DemoConfig
+    from .runner import Demo
 
     config = DemoConfig(
         orders=orders,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psycopg
 from rich.console import Console
@@ -12,12 +11,10 @@ from rich.table import Table
 
 from .. import operations
 from .._redact import mask_dsn
+from . import DemoConfig
 from .display import Sample, format_statuses
 from .processes import CeleryProcess
 from .receiver import Receiver
-
-if TYPE_CHECKING:
-    from .runner import DemoConfig
 
 __all__ = ["Running", "print_next_steps", "print_report", "published_totals"]
 

@@ -19,7 +19,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from types import FrameType
@@ -32,7 +31,7 @@ from .. import operations
 from .._redact import mask_dsn, scrub
 from ..errors import OutboxError
 from ..store import ops, schema
-from ..table import OutboxTable
+from . import DemoConfig
 from .display import ProgressView, Sample
 from .processes import CeleryProcess, delete_queue, start_celery
 from .receiver import Receiver
@@ -40,7 +39,7 @@ from .report import Running, print_report
 from .services import DemoError, embedded_postgres, embedded_redis
 from .shop import OrderWriter
 
-__all__ = ["Demo", "DemoConfig", "DemoError"]
+__all__ = ["Demo", "DemoError"]
 
 # Short timings so the demo settles in seconds; production keeps the defaults
 # (docs/configuration.md). The publish timeout must fit in the lease.
@@ -54,18 +53,6 @@ WORKER_SETTINGS = {
 }
 WORKER_CONCURRENCY = 4
 POLL_SECONDS = 0.25
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What to run against; ``dsn``/``broker`` None means an embedded server."""
-
-    orders: int
-    dsn: str | None
-    broker: str | None
-    table: OutboxTable
-    keep_running: bool = False
-    timeout: float = 120.0
 
 
 def _free_port() -> int:
