@@ -60,8 +60,10 @@ def _split(url: str) -> tuple[str, str, str, str]:
 
 def _mask_authority(authority: str) -> str:
     userinfo, at, host = authority.rpartition("@")
-    if at and ":" in userinfo:
-        return f"{userinfo.split(':', 1)[0]}:{MASK}@{host}"
+    user, colon, password = userinfo.partition(":")
+    # An empty password hides nothing; "****" there would suggest one to fill in.
+    if at and colon and password:
+        return f"{user}:{MASK}@{host}"
     return authority
 
 
@@ -72,6 +74,7 @@ def _mask_query(query: str) -> str:
     masked = [
         f"{piece.partition('=')[0]}={MASK}"
         if urllib.parse.unquote_plus(piece.partition("=")[0]) == "password"
+        and piece.partition("=")[2]
         else piece
         for piece in pieces
     ]
@@ -93,7 +96,7 @@ def mask_dsn(dsn: str) -> str:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         return _UNPARSEABLE
-    if params.get("password") is None:
+    if not params.get("password"):
         return dsn
     params["password"] = MASK
     return make_conninfo("", **params)

@@ -19,6 +19,9 @@ def test_mask_dsn_in_url_form_keeps_everything_but_the_password() -> None:
     # libpq reads a raw "?" before the "@" as part of the password: so do we.
     assert mask_dsn("postgresql://app:p?w#d@db/x") == "postgresql://app:****@db/x"
     assert mask_dsn("postgresql://app@db/x") == "postgresql://app@db/x"
+    # An empty password (pgserver's URIs have one) hides nothing: nothing to mask.
+    empty = "postgresql://postgres:@/postgres?host=/tmp/pg&password="
+    assert mask_dsn(empty) == empty
 
 
 def test_mask_dsn_in_key_value_form() -> None:

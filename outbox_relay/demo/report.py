@@ -32,15 +32,12 @@ class Running:
     beat: CeleryProcess
     metrics_dir: Path
     embedded_db: bool
-    embedded_broker: bool
 
     def shown_dsn(self) -> str:
-        # The embedded server has no password (a unix socket in our own
-        # folder); masking would print "****" where there is nothing.
-        return self.dsn if self.embedded_db else mask_dsn(self.dsn)
+        return mask_dsn(self.dsn)
 
     def shown_broker(self) -> str:
-        return self.broker if self.embedded_broker else mask_dsn(self.broker)
+        return mask_dsn(self.broker)
 
 
 def print_report(

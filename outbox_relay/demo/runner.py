@@ -259,7 +259,6 @@ class Demo:
             beat=beat,
             metrics_dir=metrics_dir,
             embedded_db=not cfg.dsn,
-            embedded_broker=not cfg.broker,
         )
 
     def _produce_and_watch(self, running: Running) -> tuple[Sample, bool]:
