@@ -80,7 +80,7 @@ def _conf_get(conf: Any, key: str) -> Any:
 
 def _conf_keys(conf: Any) -> list[str]:
     try:
-        return [k for k in conf.keys() if isinstance(k, str)]
+        return [k for k in conf.keys() if isinstance(k, str)]  # noqa: SIM118 (Celery conf)
     except Exception:  # a conf object without keys(): only explicit names count
         return []
 

@@ -271,14 +271,18 @@ def test_stale_publish_finalize_is_fenced_and_logged(recorded_dsn, redis_broker,
 
 
 def test_ordered_event_types_publish_in_id_order(recorded_dsn, redis_broker, procs_factory):
-    procs = procs_factory(recorded_dsn, redis_broker, ordered_event_types="order.step")
+    # Ordering is configured once, on the producers' Outbox, and written on
+    # each row: the relay's workers are given no ordering setting at all and
+    # still publish every aggregate in id order.
+    outbox = outbox_relay.Outbox(ordered_event_types="order.step")
+    procs = procs_factory(recorded_dsn, redis_broker)
     procs.worker(concurrency=2)
     procs.worker(concurrency=2)
     procs.beat()
     with psycopg.connect(recorded_dsn) as conn:
         for i in range(40):
             with conn.transaction():
-                outbox_relay.enqueue_many(
+                outbox.enqueue_many(
                     conn,
                     [NewMessage("order", f"agg-{a}", "order.step", {"i": i}) for a in range(5)],
                 )

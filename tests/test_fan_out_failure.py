@@ -12,7 +12,6 @@ from kombu.exceptions import OperationalError
 
 import outbox_relay
 from outbox_relay import NewMessage
-from outbox_relay.celery.tasks import _claim_and_fan_out
 
 
 def _closed_port() -> int:
@@ -28,24 +27,23 @@ def test_unreachable_broker_releases_the_claimed_rows(dsn: str) -> None:
         broker_connection_retry=False,
         broker_connection_timeout=1,
     )
-    rt = outbox_relay.install(app, dsn=dsn, publisher="tests.apps.recording:publish")
-    tasks: dict[str, Any] = {
-        name: app.tasks[f"outbox_relay.{name}"] for name in ("claim", "deliver", "deliver_batch")
-    }
+    inst = outbox_relay.install(app, dsn=dsn, publisher="tests.apps.recording:publish")
+    claim: Any = app.tasks["outbox_relay.claim"]
     with psycopg.connect(dsn, autocommit=True) as conn:
         outbox_relay.enqueue_many(
             conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(5)]
         )
     with pytest.raises(OperationalError):  # the task fails visibly, after releasing
-        _claim_and_fan_out(rt, tasks["claim"], tasks["deliver"], tasks["deliver_batch"], 0)
+        claim()  # the task's body, in this process, as a worker would run it
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT status, attempts, lease_version, last_error FROM outbox ORDER BY id"
         ).fetchall()
-    # Back to pending at once, the attempt refunded; the bumped lease_version
-    # fences off any task that did reach the broker before the failure.
+    # Back to pending at once, no attempt spent (a delivery counts its attempt
+    # when it begins); the cleared lease fences off any task that did reach
+    # the broker before the failure.
     assert [(status, attempts, version) for status, attempts, version, _ in rows] == [
         ("pending", 0, 1)
     ] * 5
     assert all("fan-out to the broker failed" in error for *_, error in rows)
-    rt.close()
+    inst.close()

@@ -122,7 +122,9 @@ def test_a_hung_publisher_lets_its_row_go_within_lease_plus_worst_case(dsn: str)
 
 
 def test_a_chunk_with_more_waves_than_fit_is_not_published(conn: psycopg.Connection[Any]) -> None:
-    ids = outbox_relay.enqueue_many(conn, [NewMessage("o", str(n), "e", {"n": n}) for n in range(4)])
+    ids = outbox_relay.enqueue_many(
+        conn, [NewMessage("o", str(n), "e", {"n": n}) for n in range(4)]
+    )
     claimed = outbox_relay.claim(conn, owner="a", batch=4, lease=timedelta(seconds=1.5))
     published: list[int] = []
     deliverer = Deliverer(

@@ -12,11 +12,16 @@ import pytest
 from psycopg import sql
 
 import outbox_relay
-from outbox_relay import InvalidIdentifier, OutboxTable, store
-from outbox_relay.model import LeaseRef
+from outbox_relay import (
+    Deliverer,
+    DirectDatabase,
+    InvalidIdentifier,
+    OutboxTable,
+    dispatch_once,
+    store,
+)
+from outbox_relay.model import LeaseRef, Outcome
 from outbox_relay.sql.queries import migrations_for
-from outbox_relay import Deliverer, DirectDatabase, dispatch_once
-from outbox_relay.model import Outcome
 
 LATEST = max(m.version for m in migrations_for(OutboxTable()))
 # The indexes migration 0001 creates besides the primary key.

@@ -30,8 +30,8 @@ from psycopg import ClientCursor
 from psycopg.conninfo import make_conninfo
 
 from outbox_relay import OutboxTable, store
-from outbox_relay.sql.queries import queries_for
 from outbox_relay.model import Outcome
+from outbox_relay.sql.queries import queries_for
 
 Q = queries_for(OutboxTable())
 FINISHED_ROWS = 1_000_000

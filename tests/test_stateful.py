@@ -243,7 +243,8 @@ def test_outbox_state_machine(dsn: str) -> None:
             expired = {
                 i
                 for i, r in before.items()
-                if r.status == "processing" and r.lease_until is not None
+                if r.status == "processing"
+                and r.lease_until is not None
                 and r.lease_until < self.now
             }
             assert set(result.released) | set(result.dead) == expired
@@ -415,7 +416,8 @@ def test_outbox_state_machine(dsn: str) -> None:
             live = [
                 r
                 for r in table().values()
-                if r.status == "processing" and r.lease_until is not None
+                if r.status == "processing"
+                and r.lease_until is not None
                 and r.lease_until >= self.now
             ]
             assert len(live) <= CAP, live

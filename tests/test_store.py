@@ -19,6 +19,8 @@ import pytest
 from outbox_relay import (
     Claimed,
     Defer,
+    Deliverer,
+    DirectDatabase,
     LeaseRef,
     Message,
     NewMessage,
@@ -31,7 +33,6 @@ from outbox_relay import (
     enqueue_many,
     store,
 )
-from outbox_relay import Deliverer, DirectDatabase
 from outbox_relay.model import Outcome
 
 LEASE = timedelta(seconds=30)
@@ -640,7 +641,9 @@ def test_lease_renewal_is_fenced_on_the_lease_version(conn: psycopg.Connection[A
     [b] = claim(conn, later, owner="B")
     before = all_rows(conn)
     assert store.extend_lease(conn, a, lease=timedelta(hours=1), now=later) is False
-    assert set(store.extend_leases(conn, [a.ref, LeaseRef(a.id, 99)], lease=LEASE, now=later)) == set()
+    assert (
+        set(store.extend_leases(conn, [a.ref, LeaseRef(a.id, 99)], lease=LEASE, now=later)) == set()
+    )
     assert all_rows(conn) == before
     assert set(store.extend_leases(conn, [a, b], lease=LEASE, now=later)) == {b.id}
     assert row(conn, message_id)["lease_until"] == later + LEASE
@@ -660,7 +663,9 @@ def test_batched_finalize_changes_exactly_the_current_leases(
     mine = claim(conn, t0, owner="A", lease=timedelta(seconds=10))
     later = t0 + timedelta(seconds=11)
     # A keeps ids[0:4] alive; ids[4:8] expire and B takes them over.
-    assert set(store.extend_leases(conn, mine[:4], lease=LEASE, now=t0 + 5 * SECOND)) == set(ids[:4])
+    assert set(store.extend_leases(conn, mine[:4], lease=LEASE, now=t0 + 5 * SECOND)) == set(
+        ids[:4]
+    )
     theirs = claim(conn, later, owner="B")
     assert [m.id for m in theirs] == ids[4:]
     policy = RetryPolicy(backoff_cap=0.0)

@@ -95,8 +95,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         result = inst.services().rescuer.run_once()
         if result.dead:
             log.warning(
-                "%d outbox message(s) went dead: their lease expired on the last attempt "
-                "(ids %s)",
+                "%d outbox message(s) went dead: their lease expired on the last attempt (ids %s)",
                 len(result.dead),
                 _ids(result.dead),
             )

@@ -11,8 +11,8 @@ The Celery tasks (``outbox_relay.celery``) and ``RelayLoop`` drive them alike.
 
 from __future__ import annotations
 
-from .claimer import ClaimResult, Claimer
-from .deliverer import DeliveryReport, Deliverer, Observer, Publisher
+from .claimer import Claimer, ClaimResult
+from .deliverer import Deliverer, DeliveryReport, Observer, Publisher
 from .keeper import Hold, LeaseKeeper
 from .loop import RelayLoop, dispatch_once
 from .policy import RetryPolicy, classify

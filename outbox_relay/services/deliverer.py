@@ -37,7 +37,7 @@ from ..table import OutboxTable
 from .keeper import Hold, LeaseKeeper
 from .policy import RetryPolicy, classify
 
-__all__ = ["DeliveryReport", "Deliverer", "Observer", "Publisher"]
+__all__ = ["Deliverer", "DeliveryReport", "Observer", "Publisher"]
 
 log = logging.getLogger("outbox_relay.deliverer")
 

@@ -264,26 +264,6 @@ SELECT count(*)
  WHERE status = 'processing'
    AND lease_until >= coalesce(%(now)s::timestamptz, now());
 
--- name: stats
-SELECT (SELECT count(*) FROM {table} WHERE status = 'pending') AS pending,
-       (SELECT count(*) FROM {table} WHERE status = 'processing') AS processing,
-       (SELECT count(*) FROM {table} WHERE status = 'done') AS done,
-       (SELECT count(*) FROM {table} WHERE status = 'dead') AS dead,
-       (SELECT count(*) FROM {table}
-         WHERE status = 'processing'
-           AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
-       coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
-           (SELECT min(created_at) FROM {table} WHERE status = 'pending'),
-           (SELECT min(created_at) FROM {table} WHERE status = 'processing'))), 0)::float8
-           AS oldest_pending_age_seconds;
-
--- name: get
-SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
-       created_at, status, available_at, attempts, lease_owner, lease_until,
-       lease_version, last_error, done_at
-  FROM {table}
- WHERE id = %(id)s;
-
 -- name: listen
 -- {channel} is the table's notification channel (OutboxTable.channel).
 LISTEN {channel};

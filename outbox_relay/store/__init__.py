@@ -17,7 +17,7 @@ move the clock; production passes no ``now`` and the database's clock decides.
 from __future__ import annotations
 
 from ._base import MAX_ERROR_LENGTH, statement_tx
-from .interim import PurgeResult, get_row, purge, stats
+from .ops import PurgeResult, get_row, purge, stats
 from .relay import (
     Began,
     Rescued,
@@ -57,7 +57,7 @@ __all__ = [
     "reap",
     "reschedule",
     "rescue",
-    "stats",
     "statement_tx",
+    "stats",
     "table_exists",
 ]

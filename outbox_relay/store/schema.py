@@ -10,7 +10,14 @@ from ..sql.queries import migrations_for, queries_for
 from ..table import OutboxTable
 from ._base import TableLike, statement_tx
 
-__all__ = ["MIGRATE_LOCK", "applied_migrations", "listen", "migrate", "missing_migrations", "table_exists"]
+__all__ = [
+    "MIGRATE_LOCK",
+    "applied_migrations",
+    "listen",
+    "migrate",
+    "missing_migrations",
+    "table_exists",
+]
 
 MIGRATE_LOCK = "outbox_relay:migrate"
 
