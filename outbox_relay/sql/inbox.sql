@@ -1,8 +1,9 @@
--- Queries of the consumer-side inbox (outbox_relay/inbox.py).
+-- Queries of the consumer-side inbox, run only by outbox_relay/store/inbox.py
+-- (the rules of use are in outbox_relay/inbox/).
 --
 -- {inbox} is the inbox table and {ix_inbox_received} its retention index,
 -- both filled in with psycopg.sql.Identifier. Beside an outbox they are
--- {table}_inbox and {table}_inbox_received; inbox.py also renders these
+-- {table}_inbox and {table}_inbox_received; store/inbox.py also renders these
 -- queries for an inbox table of the user's choosing.
 
 -- name: inbox_record
