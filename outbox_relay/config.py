@@ -37,6 +37,9 @@ PUBLISHER_OPTION_PREFIXES = ("webhook_", "kombu_", "celery_")
 # Environment names under OUTBOX_ that are not settings: this project's own
 # test and benchmark tooling.
 _TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_BENCH_")
+# Names under outbox_/OUTBOX_ read by other parts of outbox-relay, not by the
+# relay: the inbox's DSN (inbox/celery.py) and docker-compose's image tag.
+_OTHER_NAMES = frozenset({"inbox_dsn", "relay_version"})
 # Names that were settings once, or that people try, with what to use instead.
 _HINTS = {
     "broker_url": "the Celery broker is CELERY_BROKER_URL (broker_url); a broker "
@@ -141,6 +144,8 @@ def _unknown_message(unknown: list[str], known: set[str]) -> str:
     parts = []
     for name in unknown:
         hint = _HINTS.get(name)
+        if hint is None and name.startswith("broker_"):
+            hint = f"the kombu publisher's options are {env_name('kombu_' + name[7:])} and so on"
         if hint is None:
             close = difflib.get_close_matches(name, sorted(known), n=1)
             hint = f"did you mean {env_name(close[0])}?" if close else None
@@ -163,7 +168,9 @@ def _refuse_unknown(
     for key in environ:
         if key.startswith("OUTBOX_") and not key.startswith(_TOOLING_PREFIXES):
             found.add(key[len("OUTBOX_") :].lower())
-    unknown = sorted(n for n in found if n not in known and not _is_publisher_option(n))
+    unknown = sorted(
+        n for n in found if n not in known and n not in _OTHER_NAMES and not _is_publisher_option(n)
+    )
     if unknown:
         raise ConfigError(_unknown_message(unknown, known))
 

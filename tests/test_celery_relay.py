@@ -370,6 +370,29 @@ def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_fact
     )
 
 
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        (
+            {"table": "not_migrated"},
+            "public.not_migrated does not exist: run `outbox-relay migrate`",
+        ),
+        ({"lease_second": "5"}, "OUTBOX_LEASE_SECOND (did you mean OUTBOX_LEASE_SECONDS?)"),
+        ({"publisher": "tests.apps.no_such_module:publish"}, "cannot import"),
+    ],
+    ids=["no-migration", "misspelled", "bad-publisher"],
+)
+def test_beat_refuses_to_start_instead_of_running_an_empty_schedule(
+    recorded_dsn, redis_broker, procs_factory, settings, said
+):
+    procs = procs_factory(recorded_dsn, redis_broker, **settings)
+    beat = procs.beat()
+    beat.popen.wait(60)
+    assert beat.popen.returncode != 0, beat.text()
+    assert said in beat.text()
+    assert "beat cannot start" in beat.text()
+
+
 # --------------------------------------------------------------------------- helpers
 class EventTap:
     """Collects the Celery events that workers started with -E send (what Flower reads)."""

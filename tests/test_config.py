@@ -1,0 +1,75 @@
+"""Settings: one configuration, validated where it is used, misspellings refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox_relay import ConfigError, ProducerSettings, Settings
+
+
+def test_a_misspelled_setting_is_refused_with_the_closest_name() -> None:
+    with pytest.raises(
+        ConfigError, match=r"OUTBOX_LEASE_SECOND \(did you mean OUTBOX_LEASE_SECONDS"
+    ):
+        Settings.load({}, environ={"OUTBOX_LEASE_SECOND": "30"})
+    with pytest.raises(ConfigError, match="OUTBOX_CHUNK_SIZ .*OUTBOX_CHUNK_SIZE"):
+        Settings.load({"outbox_chunk_siz": 50}, environ={})
+    with pytest.raises(ConfigError, match="OUTBOX_BATCH_SIZ"):
+        Settings.load({}, environ={}, batch_siz=10)
+
+
+def test_names_that_read_like_celery_settings_point_to_the_right_ones() -> None:
+    with pytest.raises(ConfigError, match="CELERY_BROKER_URL"):
+        Settings.load({}, environ={"OUTBOX_BROKER_URL": "redis://127.0.0.1:6379/0"})
+    with pytest.raises(ConfigError, match="OUTBOX_KOMBU_EXCHANGE"):
+        Settings.load({}, environ={"OUTBOX_BROKER_EXCHANGE": "events"})
+
+
+def test_tooling_and_other_components_names_are_not_refused() -> None:
+    env = {
+        "OUTBOX_TEST_DSN": "postgresql://t",
+        "OUTBOX_BENCH_DSN": "postgresql://b",
+        "OUTBOX_INBOX_DSN": "postgresql://inbox",
+        "OUTBOX_RELAY_VERSION": "1.2",
+        "OUTBOX_WEBHOOK_SECRET": "whsec_x",
+        "OUTBOX_KOMBU_EXCHANGE": "events",
+    }
+    settings = Settings.load({}, environ=env)
+    assert settings.publisher_options == {"webhook_secret": "whsec_x", "kombu_exchange": "events"}
+    assert "whsec_x" not in repr(settings)
+
+
+def test_producers_read_only_their_settings() -> None:
+    env = {"OUTBOX_LEASE_SECONDS": "1", "OUTBOX_TABLE": "shop.events", "OUTBOX_SOMETHING": "x"}
+    producer = ProducerSettings.load({}, environ=env)
+    assert producer.table == "shop.events"
+    with pytest.raises(ConfigError, match="OUTBOX_LEASE_SECONDS"):
+        Settings.load({}, environ={"OUTBOX_LEASE_SECONDS": "1"})
+    with pytest.raises(ConfigError, match="OUTBOX_MAX_PAYLOAD_BYTES"):
+        ProducerSettings.load({}, environ={"OUTBOX_MAX_PAYLOAD_BYTES": "0"})
+
+
+def test_ordered_event_types_match_exact_names_and_prefixes() -> None:
+    producer = ProducerSettings(ordered_event_types=("order.*", "invoice.issued"))
+    assert producer.is_ordered("order.paid") and producer.is_ordered("invoice.issued")
+    assert not producer.is_ordered("invoice.voided") and not producer.is_ordered("orders")
+
+
+def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings(chunk_size=200, lease_seconds=10, publish_timeout_seconds=2)
+    text = str(caught.value)
+    # ceil(200 / 32) = 7 waves x 2 s = 14 s > 10 s
+    assert "14s" in text and "7 waves" in text
+    assert "OUTBOX_LEASE_SECONDS above 14" in text
+    assert "OUTBOX_CHUNK_SIZE to 128" in text  # 4 waves x 2 s fit in 80% of the lease
+    # Each suggestion works.
+    Settings(chunk_size=200, lease_seconds=15, publish_timeout_seconds=2)
+    Settings(chunk_size=128, lease_seconds=10, publish_timeout_seconds=2)
+
+
+def test_the_rescuer_ticks_with_the_claim_unless_told_otherwise() -> None:
+    assert Settings(claim_interval_seconds=2).rescue_interval == 2
+    assert Settings(rescue_interval_seconds=7).rescue_interval == 7
+    with pytest.raises(ConfigError, match="OUTBOX_RESCUE_INTERVAL_SECONDS"):
+        Settings(rescue_interval_seconds=0)
