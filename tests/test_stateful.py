@@ -132,29 +132,22 @@ def test_outbox_state_machine(dsn: str) -> None:
 
         # ------------------------------------------------------------ helpers
         def claim(self, worker: str, batch: int) -> list[Claimed]:
-            if self.relay:
-                # The Celery relay's claim: ordering from the rows, a cap on
-                # live leases, no rescue (the rescuer's job), no attempt
-                # counted (the delivery counts it when it begins).
-                return store.claim(
-                    conn,
-                    owner=worker,
-                    batch=batch,
-                    lease=LEASE,
-                    max_attempts=MAX_ATTEMPTS,
-                    max_in_flight=CAP,
-                    rescue_first=False,
-                    count_attempt=False,
-                    now=self.now,
-                )
+            # The relay's claim: ordering from the rows, a cap on live leases,
+            # no rescue (the rescuer's job), no attempt counted (the delivery
+            # counts it when it begins). The articles' claim: the defaults.
+            mode: dict[str, object] = (
+                {"max_in_flight": CAP, "rescue_first": False, "count_attempt": False}
+                if self.relay
+                else {"ordered": self.ordered}
+            )
             return store.claim(
                 conn,
                 owner=worker,
                 batch=batch,
                 lease=LEASE,
                 max_attempts=MAX_ATTEMPTS,
-                ordered=self.ordered,
                 now=self.now,
+                **mode,  # type: ignore[arg-type]
             )
 
         def rescue_now(self) -> None:

@@ -1,0 +1,221 @@
+"""The services' edge cases, against real PostgreSQL: each was a way the relay
+lost progress, spent attempts it never used, or wrote state it should not."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from celery.exceptions import SoftTimeLimitExceeded
+
+from outbox_relay import (
+    Claimer,
+    Deliverer,
+    DirectDatabase,
+    Message,
+    NewMessage,
+    OutboxTable,
+    Rescuer,
+    RetryableError,
+    RetryPolicy,
+    classify,
+    enqueue_many,
+    store,
+)
+from outbox_relay.db import PoolDatabase
+
+LEASE = timedelta(seconds=30)
+
+
+def seed(conn: psycopg.Connection[Any], n: int) -> list[int]:
+    return enqueue_many(
+        conn, [NewMessage("order", str(i), "order.paid", {"n": i}) for i in range(n)]
+    )
+
+
+def rows(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        "SELECT id, status, attempts, last_error FROM outbox ORDER BY id"
+    ).fetchall()
+
+
+def expire_leases(conn: psycopg.Connection[Any]) -> None:
+    """Every lease ends now, as when its holder died or its task was lost."""
+    conn.execute(
+        "UPDATE outbox SET lease_until = now() - interval '1 second' WHERE status = 'processing'"
+    )
+
+
+def relay_claimer(conn: psycopg.Connection[Any], **kw: Any) -> Claimer:
+    options: dict[str, Any] = {
+        "table": OutboxTable(),
+        "owner": lambda: "claimer",
+        "batch_size": 100,
+        "max_in_flight": 1000,
+        "lease": LEASE,
+        "max_attempts": 3,
+    }
+    options.update(kw)
+    return Claimer(DirectDatabase(conn), **options)
+
+
+def test_a_delivery_task_that_never_ran_costs_no_attempt(conn: psycopg.Connection[Any]) -> None:
+    seed(conn, 3)
+    claimed = relay_claimer(conn).run_once().claimed
+    assert [m.attempts for m in claimed] == [0, 0, 0]
+    # Every fan-out task expires in the broker (or is lost); the leases lapse
+    # and the rescuer frees them, over and over: never an attempt spent.
+    for _ in range(5):
+        expire_leases(conn)
+        rescued = Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=3).run_once()
+        assert len(rescued.released) == 3 and rescued.dead == []
+        relay_claimer(conn).run_once()
+    assert [r[1:3] for r in rows(conn)] == [("processing", 0)] * 3
+
+
+def test_an_attempt_is_counted_when_a_delivery_begins(conn: psycopg.Connection[Any]) -> None:
+    [message_id] = seed(conn, 1)
+    rescuer = Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=2)
+    for attempt in (1, 2):
+        [m] = relay_claimer(conn, max_attempts=2).run_once().claimed
+        began = store.begin(conn, [m.ref], needed=timedelta(seconds=1))
+        assert began[message_id].started and began[message_id].claimed.attempts == attempt
+        # The worker dies mid-publish: the lease lapses.
+        expire_leases(conn)
+        result = rescuer.run_once()
+    # Its last attempt began and never finished: a poison message, now dead.
+    assert result.dead == [message_id]
+    [(_, status, attempts, error)] = rows(conn)
+    assert (status, attempts) == ("dead", 2)
+    assert "lease expired on the last attempt (2 of 2)" in error
+
+
+def test_a_row_out_of_attempts_goes_dead_at_the_claim(conn: psycopg.Connection[Any]) -> None:
+    old, fresh = seed(conn, 2)
+    # max_retries was lowered after this row had been tried 5 times.
+    conn.execute("UPDATE outbox SET attempts = 5 WHERE id = %s", (old,))
+    claimed = relay_claimer(conn, max_attempts=3).run_once().claimed
+    assert [m.id for m in claimed] == [fresh]
+    by_id = {r[0]: r for r in rows(conn)}
+    assert by_id[old][1:3] == ("dead", 5)
+    assert "retries exhausted" in by_id[old][3]
+
+
+def test_the_cap_counts_live_leases_only(conn: psycopg.Connection[Any]) -> None:
+    seed(conn, 30)
+    claimer = relay_claimer(conn, batch_size=8, max_in_flight=10)
+    first = claimer.run_once()
+    assert (len(first.claimed), first.full, first.capped) == (8, True, False)
+    second = claimer.run_once()
+    assert (len(second.claimed), second.full, second.capped) == (2, False, True)
+    assert claimer.run_once().claimed == []
+    # Their tasks were lost: the leases expire. Expired leases hold no room,
+    # and the rescuer frees them whatever the room.
+    expire_leases(conn)
+    assert store.in_flight(conn) == 0
+    rescued = Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=3).run_once()
+    assert len(rescued.released) == 10
+    assert len(claimer.run_once().claimed) == 8
+
+
+def test_concurrent_claims_cannot_overshoot_the_cap(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        seed(conn, 400)
+    got: list[int] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def claim() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            barrier.wait()
+            for _ in range(5):
+                n = len(relay_claimer(conn, batch_size=20, max_in_flight=50).run_once().claimed)
+                with lock:
+                    got.append(n)
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sum(got) == 50
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert store.in_flight(conn) == 50
+
+
+def test_retry_after_is_honoured_but_capped(conn: psycopg.Connection[Any]) -> None:
+    seed(conn, 1)
+    [m] = store.claim(conn, owner="w", batch=1, lease=LEASE)
+    policy = RetryPolicy(max_defer=timedelta(hours=2))
+    outcome = classify(RetryableError("429", retry_after=10 * 365 * 86400), m, policy)
+    assert outcome.delay == timedelta(hours=2)
+    soon = classify(RetryableError("429", retry_after=600), m, policy)
+    assert soon.delay == timedelta(seconds=600)
+
+
+def test_an_interrupted_chunk_finalizes_what_was_published(conn: psycopg.Connection[Any]) -> None:
+    ids = seed(conn, 4)
+    claimed = store.claim(conn, owner="w", batch=4, lease=LEASE)
+    hang = threading.Event()
+
+    def publish(message: Message) -> None:
+        if message.payload["n"] >= 2:
+            hang.wait(10)  # still publishing when the soft time limit fires
+
+    def soft_limit(signum: int, frame: Any) -> None:
+        raise SoftTimeLimitExceeded()  # what billiard raises in the task's thread
+
+    deliverer = Deliverer(publish, db=DirectDatabase(conn), concurrency=4, publish_timeout=1)
+    previous = signal.signal(signal.SIGALRM, soft_limit)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(SoftTimeLimitExceeded):
+            deliverer.deliver([m.ref for m in claimed])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        hang.set()
+        deliverer.close()
+    by_id = {r[0]: r for r in rows(conn)}
+    # The two published ones are done; the two interrupted ones are given back
+    # (their attempt refunded), not left leased until the lease expires.
+    assert [by_id[i][1] for i in ids] == ["done", "done", "pending", "pending"]
+    assert [by_id[i][2] for i in ids[2:]] == [0, 0]
+    assert all("interrupted" in by_id[i][3] for i in ids[2:])
+
+
+def test_a_claim_is_never_repeated_after_a_broken_connection(dsn: str) -> None:
+    db = PoolDatabase(dsn, size=1, name="claim-retry")
+    calls: list[int] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            seed(admin, 10)
+
+            def claim_then_lose_the_connection(conn: psycopg.Connection[Any]) -> int:
+                calls.append(len(store.claim(conn, owner="w", batch=5, lease=LEASE)))
+                # The connection dies after the claim committed (a failover,
+                # a terminated backend): the caller cannot know it committed.
+                admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                conn.execute("SELECT 1")
+                return 0
+
+            with pytest.raises(psycopg.OperationalError):
+                db.run(claim_then_lose_the_connection, retry=False)
+            assert calls == [5]
+            # An idempotent call is retried once on a fresh connection.
+            seen: list[int] = []
+
+            def read(conn: psycopg.Connection[Any]) -> int:
+                seen.append(conn.info.backend_pid)
+                if len(seen) == 1:
+                    admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+                return store.in_flight(conn)
+
+            assert db.run(read) == 5
+            assert len(seen) == 2 and seen[0] != seen[1]
+    finally:
+        db.close()
