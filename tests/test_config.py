@@ -12,7 +12,7 @@ def test_a_misspelled_setting_is_refused_with_the_closest_name() -> None:
         ConfigError, match=r"OUTBOX_LEASE_SECOND \(did you mean OUTBOX_LEASE_SECONDS"
     ):
         Settings.load({}, environ={"OUTBOX_LEASE_SECOND": "30"})
-    with pytest.raises(ConfigError, match="OUTBOX_CHUNK_SIZ .*OUTBOX_CHUNK_SIZE"):
+    with pytest.raises(ConfigError, match=r"OUTBOX_CHUNK_SIZ .*OUTBOX_CHUNK_SIZE"):
         Settings.load({"outbox_chunk_siz": 50}, environ={})
     with pytest.raises(ConfigError, match="OUTBOX_BATCH_SIZ"):
         Settings.load({}, environ={}, batch_siz=10)
