@@ -17,6 +17,7 @@ the room under the cap, and carry on: every message ends ``done`` (none
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -47,8 +48,6 @@ def _freeze_at_cap(worker, dsn: str, *, timeout: float = 30.0) -> dict[str, int]
     the kill; when the count fell below the cap meanwhile, it resumes and we
     look again.
     """
-    import os
-
     deadline = time.monotonic() + timeout
     last: dict[str, int] = {}
     while time.monotonic() < deadline:
@@ -96,9 +95,9 @@ def test_worker_killed_at_the_in_flight_cap_and_broker_flushed(dsn, tmp_path: Pa
 
         at_kill = _freeze_at_cap(victim, dsn)
         assert at_kill.get("processing", 0) >= CAP, at_kill
-        client = kit.redis_client(broker)
-        client.flushdb()  # this test's Redis database only, never FLUSHALL
-        assert client.llen(queue) == 0
+        # The broker loses every queued task: this test's Redis database
+        # only (never FLUSHALL: other databases on the server may be in use).
+        kit.redis_client(broker).flushdb()
 
         procs.worker(concurrency=CONCURRENCY)
         ready = time.monotonic()
@@ -131,18 +130,19 @@ def test_worker_killed_at_the_in_flight_cap_and_broker_flushed(dsn, tmp_path: Pa
         sampler.halt()
         procs.stop_all()
 
+    worst = max(samples, key=lambda s: s.get("processing"))
+    stall = kit.longest_stall(samples, since=ready, total=MESSAGES)
     print(
         f"\nenqueue {enqueued:.1f}s; at kill {at_kill}; all done {took:.1f}s after the fresh "
-        f"worker was ready (budget {budget:.0f}s); {len(samples)} samples"
+        f"worker was ready (budget {budget:.0f}s); {len(samples)} samples, most processing "
+        f"{worst.get('processing')}, longest stall {stall:.1f}s"
     )
     assert final == {"done": MESSAGES}, final  # none dead, none left behind
     assert kit.delivered_ids(dsn) == set(ids)  # every message really went out
 
-    worst = max(samples, key=lambda s: s.get("processing"))
     assert worst.get("processing") <= CAP + BATCH, (
         f"processing reached {worst.get('processing')} (cap {CAP} + batch {BATCH}): {worst.counts}"
     )
     # No freeze short of the end either: after the fresh worker is up, done
     # grows again once the stranded leases expire and keeps growing.
-    stall = kit.longest_stall(samples, since=ready, total=MESSAGES)
     assert stall <= 2 * LEASE, f"done stood still for {stall:.1f}s after the fresh worker started"

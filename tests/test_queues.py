@@ -140,7 +140,9 @@ def test_worker_for_billing_only_opens_no_relay_connection(shop, shop_dsn, tmp_p
     assert max(seen) == 0, f"the billing worker held {max(seen)} relay connection(s)"
     assert kit.row(shop_dsn, message_id)["status"] == "pending"
     assert kit.active_queues(APP, node, procs.env, cwd=tmp_path) == ["billing"]
-    assert "outbox_relay." not in procs.procs[-1].text()
+    # The banner lists the relay's tasks (registered, as Celery does for any
+    # imported task); none of them may have run here.
+    assert "Task outbox_relay." not in procs.procs[-1].text()
 
 
 def test_worker_without_queues_consumes_default_and_outbox(shop, tmp_path):
