@@ -111,5 +111,18 @@ class Outcome:
         return cls(ref.id, ref.lease_version, "pending", delay, refund_attempt, error)
 
     @classmethod
+    def release(
+        cls, ref: LeaseRef | Claimed, *, reason: str, refund_attempt: bool = False
+    ) -> Outcome:
+        """Give a row back unpublished, due at once (``refund_attempt``: an
+        attempt was counted for it and never used)."""
+        return cls.retry(
+            ref,
+            delay=timedelta(0),
+            error=f"released unpublished: {reason}",
+            refund_attempt=refund_attempt,
+        )
+
+    @classmethod
     def dead(cls, ref: LeaseRef | Claimed, *, error: str) -> Outcome:
         return cls(ref.id, ref.lease_version, "dead", error=error)

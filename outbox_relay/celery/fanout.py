@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
 from typing import Any
 
 from ..config import Settings
@@ -38,7 +37,7 @@ def release(db: Database, settings: Settings, claimed: Sequence[Claimed], reason
     """Give rows back at once instead of waiting out their lease (nothing was counted)."""
     if not claimed:
         return
-    outcomes = [Outcome.retry(c, delay=timedelta(0), error=reason) for c in claimed]
+    outcomes = [Outcome.release(c, reason=reason) for c in claimed]
     try:
         db.run(lambda conn: finalize(conn, outcomes, table=settings.outbox_table))
     except Exception:
@@ -105,5 +104,5 @@ def fan_out(
         # flushes as it fills). Release every row anyway: a task that did
         # arrive finds a newer lease_version and is turned away by the fence.
         log.exception("fan-out to the broker failed; releasing %d claimed rows", len(claimed))
-        release(db, settings, claimed, "released unpublished: fan-out to the broker failed")
+        release(db, settings, claimed, "fan-out to the broker failed")
         raise

@@ -202,11 +202,10 @@ class Deliverer:
             # Not enough lease left for the whole chunk: give the row back now
             # rather than publish into a lease that may end midway.
             released.append(
-                Outcome.retry(
+                Outcome.release(
                     ref,
-                    delay=timedelta(0),
-                    error=f"released unpublished: too little lease left "
-                    f"({row.lease_left_seconds:.1f}s; a delivery may take {worst:g}s)",
+                    reason=f"too little lease left ({row.lease_left_seconds:.1f}s; "
+                    f"a delivery may take {worst:g}s)",
                     # Counted by the claim (count_attempt=False) but never used.
                     refund_attempt=not self.count_attempt,
                 )
@@ -321,13 +320,8 @@ class Deliverer:
 
     def _outcome(self, row: Began, result: BaseException | _NotPublished | None) -> Outcome:
         if isinstance(result, _NotPublished):
-            return Outcome.retry(
-                row.claimed,
-                delay=timedelta(0),
-                error=f"released unpublished: {result.reason}",
-                # An attempt was counted (by begin or the claim) and never used.
-                refund_attempt=True,
-            )
+            # An attempt was counted (by begin or the claim) and never used.
+            return Outcome.release(row.claimed, reason=result.reason, refund_attempt=True)
         return classify(result, row.claimed, self.policy, age_seconds=row.age_seconds)
 
     def close(self) -> None:

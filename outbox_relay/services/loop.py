@@ -20,6 +20,7 @@ import psycopg
 
 from .. import store
 from ..db import DirectDatabase
+from ..model import Outcome
 from ..store.relay import Began
 from ..table import OutboxTable
 from .claimer import Claimer
@@ -80,14 +81,8 @@ def dispatch_once(
         # clock only tells how long ago that was.
         left = lease_seconds - (time.monotonic() - started)
         if left < publish_timeout:
-            store.reschedule(
-                conn,
-                msg,
-                delay=timedelta(0),
-                error="released unpublished: too little lease left to publish",
-                refund_attempt=True,
-                table=table,
-            )
+            release = Outcome.release(msg, reason="too little lease left", refund_attempt=True)
+            store.finalize(conn, [release], table=table)
             continue
         age = 0.0
         if msg.created_at is not None and msg.lease_until is not None:
