@@ -96,7 +96,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = venv / "bin" / "python"
     _run(
         [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", str(source)],
-        timeout=600,
+        timeout=240,  # inside pytest's own 300 s limit, with the venv and the runs
         env=_clean_env(),
         cwd=base,
     )

@@ -182,6 +182,23 @@ def test_relay_tasks_follow_the_users_task_routes(shop, shop_dsn, tmp_path):
     assert "outbox_relay.claim[" in log and "outbox_relay.deliver[" in log
 
 
+def test_worker_for_the_routed_relay_queue_validates_the_relay(shop):
+    # The worker that consumes the queue the relay's tasks are routed to is a
+    # relay worker, whatever the relay's own queue setting says: a bad
+    # publisher must stop it at start, as it stops a worker without -Q.
+    queue = kit.unique("relay-q")
+    procs = shop(SHOP_RELAY_ROUTE=queue, SHOP_PUBLISHER=BAD_PUBLISHER)
+    worker = procs.worker(args=("-Q", queue), ready=False)
+    kit.wait_until(
+        lambda: not worker.alive() or " ready." in worker.text(),
+        timeout=60,
+        what="the worker to exit or get ready",
+    )
+    log = worker.text()
+    assert " ready." not in log, f"a relay worker started with a bad publisher:\n{log[-3000:]}"
+    assert "OUTBOX_PUBLISHER" in log and "no_such_module" in log, log[-3000:]
+
+
 # ------------------------------------------------------ 3. task_annotations
 @pytest.mark.parametrize("form", ["dict", "list", "object"])
 def test_task_annotations_set_the_retry_policy(shop, shop_dsn, form):
