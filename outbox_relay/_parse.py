@@ -70,5 +70,8 @@ def as_mapping(name: str, value: Any) -> dict[str, Any]:
         except ValueError:
             raise ConfigError(f"{name} must be a JSON object") from None
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{name} must be a mapping (or a JSON object), got {value!r}")
+        # No value in the message: a mapping may hold a secret (headers, transport options).
+        raise ConfigError(
+            f"{name} must be a mapping (or a JSON object), got {type(value).__name__}"
+        )
     return dict(value)

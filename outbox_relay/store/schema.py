@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
-from ..sql.queries import migrations_for, queries_for
+from ..sql.queries import Migration, migrations_for, queries_for
 from ..table import OutboxTable
 from ._base import TableLike, statement_tx
 
@@ -22,27 +24,93 @@ __all__ = [
 MIGRATE_LOCK = "outbox_relay:migrate"
 
 
+Step = tuple[str, "dict[str, Any] | None"]
+
+
+def _setup_steps(table: OutboxTable) -> list[Step]:
+    q = queries_for(table)
+    return [
+        # Several processes migrating at once queue here, and so does a
+        # script run by hand.
+        (q.advisory_lock, {"key": MIGRATE_LOCK}),
+        (q.create_schema, None),
+        (q.create_migrations_table, None),
+    ]
+
+
+def _migration_steps(table: OutboxTable, m: Migration) -> list[Step]:
+    record = queries_for(table).record_migration
+    return [(m.sql, None), (record, {"version": m.version, "name": m.name})]
+
+
+def _run(conn: psycopg.Connection[Any], steps: list[Step]) -> None:
+    for query, params in steps:
+        # A migration's text is DDL with no parameters: sent as it is.
+        conn.execute(query.encode() if params is None else query, params)
+
+
 def migrate(conn: psycopg.Connection[Any], *, table: TableLike = None) -> list[int]:
     """Apply the migrations this table lacks; return the versions applied.
 
     Idempotent, and safe when several processes run it at once: they queue on
     one advisory lock, and each applies what is still missing when it gets it.
+    The steps are the ones ``migration_script`` prints, so the two agree.
     """
     outbox = OutboxTable.parse(table)
-    q = queries_for(outbox)
-    applied: list[int] = []
     with conn.transaction():
-        conn.execute(q.advisory_lock, {"key": MIGRATE_LOCK})
-        conn.execute(q.create_schema)
-        conn.execute(q.create_migrations_table)
-        done = {row[0] for row in conn.execute(q.applied_migrations)}
-        for migration in migrations_for(outbox):
-            if migration.version in done:
-                continue
-            conn.execute(migration.sql.encode())
-            conn.execute(q.record_migration, {"version": migration.version, "name": migration.name})
-            applied.append(migration.version)
-    return applied
+        _run(conn, _setup_steps(outbox))
+        done = {row[0] for row in conn.execute(queries_for(outbox).applied_migrations)}
+        pending = [m for m in migrations_for(outbox) if m.version not in done]
+        for m in pending:
+            _run(conn, _migration_steps(outbox, m))
+    return [m.version for m in pending]
+
+
+def _code(query: str) -> str:
+    """A named query without its leading comment lines (written for the code's readers)."""
+    lines = query.splitlines()
+    while lines and lines[0].lstrip().startswith("--"):
+        lines.pop(0)
+    return "\n".join(lines).strip()
+
+
+def _inline(query: str, params: dict[str, Any]) -> str:
+    """A query with its parameters written in as quoted literals, for a script a
+    person reviews and runs. Only our own values (versions, migration names
+    from file names, the lock key) go through here."""
+
+    def literal(match: re.Match[str]) -> str:
+        return sql.Literal(params[match.group(1)]).as_string()
+
+    return re.sub(r"%\((\w+)\)s", literal, _code(query)).replace("%%", "%")
+
+
+def _script_line(query: str, params: dict[str, Any] | None) -> str:
+    if params is None:
+        return _code(query).rstrip(";") + ";"
+    return _inline(query, params) + ";"
+
+
+def migration_script(table: OutboxTable, applied: set[int]) -> str:
+    """The statements ``migrate`` would run for ``table``, as one SQL script.
+
+    Rendered, never executed: a DBA reviews it and runs it (``psql -f``).
+    """
+    pending = [m for m in migrations_for(table) if m.version not in applied]
+    if not pending:
+        return f"-- {table.qualified} is up to date: no migration to apply\n"
+    versions = ", ".join(f"{m.version:04d}_{m.name}" for m in pending)
+    lines = [
+        f"-- outbox-relay migrations for {table.qualified}: {versions}",
+        "-- The same statements `outbox-relay migrate` runs, in one transaction.",
+        "BEGIN;",
+    ]
+    lines += [_script_line(query, params) for query, params in _setup_steps(table)]
+    for m in pending:
+        lines += ["", f"-- migration {m.version:04d}_{m.name}"]
+        lines += [_script_line(query, params) for query, params in _migration_steps(table, m)]
+    lines += ["", "COMMIT;", ""]
+    return "\n".join(lines)
 
 
 def table_exists(conn: psycopg.Connection[Any], *, table: TableLike = None) -> bool:
