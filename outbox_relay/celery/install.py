@@ -178,7 +178,8 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
         if instance is None or instance.app is not app:
             return
         if consume and not inst.explicit_queues:
-            instance.app.amqp.queues.select_add(inst.settings.queue)
+            # The queue the relay's tasks are routed to (the user's route wins).
+            instance.app.amqp.queues.select_add(inst.relay_queue())
 
     def process_init(**kwargs: Any) -> None:
         inst.reset()  # a forked child must not reuse the parent's sockets

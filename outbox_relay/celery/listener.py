@@ -105,7 +105,7 @@ def relays_here(worker: Any, inst: Any) -> bool:
     """Whether this worker consumes the relay's queue (so it must check and listen).
 
     Without -Q it does (install added the queue). With -Q, only when the
-    operator listed the relay's queue; a relay configuration that cannot
+    operator listed the queue the relay's tasks are routed to; a relay configuration that cannot
     even be read then is reported by the relay's own workers, not by a
     worker started for other queues.
     """
@@ -113,7 +113,7 @@ def relays_here(worker: Any, inst: Any) -> bool:
     selected = queues.consume_from
     consumed = set(selected) if selected is not None else set(queues)
     try:
-        queue = inst.settings.queue
+        queue = inst.relay_queue()
     except ConfigError as exc:
         if inst.explicit_queues:
             log.warning("outbox relay settings are invalid (%s); this worker ignores them", exc)

@@ -111,6 +111,13 @@ class Installation:
             self._settings = Settings.load(self.app.conf, **{**self.overrides, **producer})
         return self._settings
 
+    def relay_queue(self) -> str:
+        """The queue the relay's tasks are routed to: the user's ``task_routes``
+        for ``outbox_relay.*`` when they name one, else ``OUTBOX_QUEUE``."""
+        route = self.app.amqp.router.route({}, names.CLAIM, (), {})
+        queue = route.get("queue")
+        return str(getattr(queue, "name", queue) or self.settings.queue)
+
     @property
     def dsn(self) -> str | None:
         """The relay's DSN (InboxTask reads it); None when not configured."""
