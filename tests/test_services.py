@@ -219,3 +219,52 @@ def test_a_claim_is_never_repeated_after_a_broken_connection(dsn: str) -> None:
             assert len(seen) == 2 and seen[0] != seen[1]
     finally:
         db.close()
+
+
+def test_the_plain_loop_drives_the_same_services(conn: psycopg.Connection[Any]) -> None:
+    from outbox_relay import Purger, RelayLoop
+
+    ids = seed(conn, 25)
+    # One row was left leased by a worker that died: the loop's rescuer frees it.
+    store.claim(conn, owner="dead-worker", batch=1, lease=timedelta(seconds=30))
+    expire_leases(conn)
+    published: list[int] = []
+    db = DirectDatabase(conn)
+    loop = RelayLoop(
+        claimer=relay_claimer(conn, batch_size=10, max_in_flight=20),
+        deliverer=Deliverer(
+            lambda m: published.append(m.id),
+            db=db,
+            count_attempt=True,
+            concurrency=1,
+            publish_timeout=1.0,  # 4 waves x 1 s fit the 30 s lease
+        ),
+        rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
+        purger=Purger(db, table=OutboxTable(), older_than=timedelta(days=7)),
+        chunk_size=4,
+    )
+    rounds = 0
+    while loop.run_once():
+        rounds += 1
+        assert rounds < 10, (rows(conn), loop.report)
+    assert sorted(published) == ids
+    assert loop.report.done == 25
+    assert {r[1] for r in rows(conn)} == {"done"}
+    # Attempts: one each, counted as each delivery began (the dead worker's
+    # claim had counted one for the first row).
+    assert [r[2] for r in rows(conn)] == [2] + [1] * 24
+
+
+def test_the_plain_loop_refuses_chunks_that_cannot_fit_the_lease(
+    conn: psycopg.Connection[Any],
+) -> None:
+    from outbox_relay import ConfigError, RelayLoop
+
+    db = DirectDatabase(conn)
+    with pytest.raises(ConfigError, match="does not fit the claim's lease of 30s"):
+        RelayLoop(
+            claimer=relay_claimer(conn),
+            deliverer=Deliverer(print, db=db, concurrency=1, publish_timeout=10),
+            rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
+            chunk_size=4,
+        )

@@ -20,6 +20,7 @@ import psycopg
 
 from .. import store
 from ..db import DirectDatabase
+from ..errors import ConfigError
 from ..model import Outcome
 from ..store.relay import Began
 from ..table import OutboxTable
@@ -121,6 +122,14 @@ class RelayLoop:
         rescue_interval: float = 5.0,
         purge_interval: float = 3600.0,
     ) -> None:
+        worst = deliverer.worst_seconds(chunk_size)
+        if worst >= claimer.lease.total_seconds():
+            # Every chunk would be given back unpublished, round after round.
+            raise ConfigError(
+                f"a chunk of {chunk_size} may publish for {worst:g}s "
+                f"({deliverer.concurrency} at a time, {deliverer.publish_timeout:g}s each), "
+                f"which does not fit the claim's lease of {claimer.lease.total_seconds():g}s"
+            )
         self.claimer = claimer
         self.deliverer = deliverer
         self.rescuer = rescuer
