@@ -100,6 +100,7 @@ class Held:
     claimed: Claimed
     lease_until: datetime
     begun: bool = False
+    started: bool = False
 
 
 def failure(kind: str) -> BaseException | None:
@@ -260,10 +261,17 @@ def test_outbox_state_machine(dsn: str) -> None:
             del self.held[worker][key]
             if self.relay and not held.begun:
                 self.begin(held)
+            if self.relay and not held.started:
+                # The delivery did not start (its lease had run out): the
+                # deliverer gives the row back unpublished.
+                kind = "release"
             before = table()
             current = before[key[0]]
             mine = current.lease_version == key[1] and current.status == "processing"
-            outcome = classify(failure(kind), held.claimed, POLICY)
+            if kind == "release":
+                outcome = Outcome.release(held.claimed, reason="too little lease left")
+            else:
+                outcome = classify(failure(kind), held.claimed, POLICY)
             changed = store.finalize(conn, [outcome], now=self.now)
             after = table()
             if not mine:
@@ -277,7 +285,10 @@ def test_outbox_state_machine(dsn: str) -> None:
             assert {i: r for i, r in after.items() if i != key[0]} == {
                 i: r for i, r in before.items() if i != key[0]
             }
-            if kind == "done":
+            if kind == "release":
+                assert (row.status, row.available_at) == ("pending", self.now)
+                assert row.attempts == current.attempts
+            elif kind == "done":
                 assert (row.status, row.done_at) == ("done", self.now)
             elif kind == "permanent" or (kind == "retryable" and current.attempts >= MAX_ATTEMPTS):
                 assert row.status == "dead" and row.last_error
@@ -310,6 +321,7 @@ def test_outbox_state_machine(dsn: str) -> None:
                 assert not began[ref.id].started and after == before
                 return
             assert began[ref.id].started
+            held.started = True
             assert began[ref.id].claimed.attempts == row.attempts + 1
             assert after[ref.id].attempts == row.attempts + 1
             held.claimed = began[ref.id].claimed
