@@ -14,6 +14,8 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from .store._base import relax_commit
+
 __all__ = ["Database", "DirectDatabase", "PoolDatabase", "as_database"]
 
 log = logging.getLogger("outbox_relay.db")
@@ -60,7 +62,7 @@ class PoolDatabase:
             if not synchronous_finalize:
                 # Finalizes stop waiting for the WAL flush; claims still
                 # commit durably (store.claim sets it back for its transaction).
-                conn.execute("SET synchronous_commit = off")
+                relax_commit(conn)
 
         self.pool = ConnectionPool(
             dsn,

@@ -20,6 +20,7 @@ from psycopg.pq import TransactionStatus
 from ._defaults import producer_settings
 from .config import ProducerSettings
 from .errors import InvalidMessage
+from .store._base import begin_caller_transaction
 from .store.producer import insert_messages
 from .table import OutboxTable
 
@@ -134,7 +135,7 @@ def enqueue_many(
         # conn.transaction() would open *and commit* a transaction of its
         # own, and the message would then survive a rollback of the business
         # change that follows (enqueue first, then INSERT the order).
-        conn.execute("SELECT 1")
+        begin_caller_transaction(conn)
     return insert_messages(
         conn,
         params,

@@ -27,6 +27,7 @@ from outbox_relay import (
     store,
 )
 from outbox_relay.db import PoolDatabase
+from outbox_relay.store._base import queries
 
 LEASE = timedelta(seconds=30)
 
@@ -268,3 +269,22 @@ def test_the_plain_loop_refuses_chunks_that_cannot_fit_the_lease(
             rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
             chunk_size=4,
         )
+
+
+def test_relaxed_finalizes_keep_claims_durable(dsn: str) -> None:
+    db = PoolDatabase(dsn, size=1, name="relaxed", synchronous_finalize=False)
+    try:
+        setting = db.run(lambda conn: conn.execute("SHOW synchronous_commit").fetchone())
+        assert setting == ("off",)
+
+        def claim_and_read(conn: psycopg.Connection[Any]) -> Any:
+            with conn.transaction():
+                # What store.claim runs first in its transaction: the claim
+                # commits durably on a relaxed connection.
+                conn.execute(queries(None).durable_commit)
+                return conn.execute("SHOW synchronous_commit").fetchone()
+
+        assert db.run(claim_and_read) == ("on",)
+        assert db.run(lambda conn: conn.execute("SHOW synchronous_commit").fetchone()) == ("off",)
+    finally:
+        db.close()

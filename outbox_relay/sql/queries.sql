@@ -53,6 +53,16 @@ INSERT INTO {migrations} (version, name) VALUES (%(version)s, %(name)s);
 -- name: notify
 SELECT pg_notify(%(channel)s, '');
 
+-- name: begin_caller_transaction
+-- A no-op statement that makes psycopg open the caller's transaction (see
+-- producer.enqueue_many): {table} is not involved.
+SELECT 1;
+
+-- name: async_commit_session
+-- A worker connection whose finalizes do not wait for the WAL flush
+-- (Settings.synchronous_finalize = false); claims set it back (durable_commit).
+SET synchronous_commit = off;
+
 -- name: durable_commit
 -- A claim bumps the fencing token; its commit must be durable even on a
 -- connection that finalizes with synchronous_commit = off (see Settings.

@@ -12,7 +12,15 @@ from psycopg.pq import TransactionStatus
 from ..sql.queries import Queries, queries_for
 from ..table import OutboxTable
 
-__all__ = ["MAX_ERROR_LENGTH", "TableLike", "clip", "queries", "statement_tx"]
+__all__ = [
+    "MAX_ERROR_LENGTH",
+    "TableLike",
+    "begin_caller_transaction",
+    "clip",
+    "queries",
+    "relax_commit",
+    "statement_tx",
+]
 
 MAX_ERROR_LENGTH = 2000
 TableLike = OutboxTable | str | None
@@ -41,3 +49,13 @@ def clip(error: str | None) -> str | None:
     if error is None:
         return None
     return error if len(error) <= MAX_ERROR_LENGTH else error[: MAX_ERROR_LENGTH - 3] + "..."
+
+
+def begin_caller_transaction(conn: psycopg.Connection[Any]) -> None:
+    """Make psycopg open the caller's (not yet begun) transaction now."""
+    conn.execute(queries(None).begin_caller_transaction)
+
+
+def relax_commit(conn: psycopg.Connection[Any]) -> None:
+    """Let this session's commits stop waiting for the WAL flush (finalizes only)."""
+    conn.execute(queries(None).async_commit_session)
