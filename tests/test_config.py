@@ -73,3 +73,19 @@ def test_the_rescuer_ticks_with_the_claim_unless_told_otherwise() -> None:
     assert Settings(rescue_interval_seconds=7).rescue_interval == 7
     with pytest.raises(ConfigError, match="OUTBOX_RESCUE_INTERVAL_SECONDS"):
         Settings(rescue_interval_seconds=0)
+
+
+def test_a_misspelled_publisher_option_is_refused_not_ignored() -> None:
+    from outbox_relay.publishers import resolve_publisher
+
+    # Ignored, it would send every webhook unsigned.
+    settings = Settings.load(
+        {},
+        environ={"OUTBOX_WEBHOOK_SECERT": "whsec_x", "OUTBOX_PUBLISHER": "https://example.com/h"},
+    )
+    with pytest.raises(
+        ConfigError, match=r"OUTBOX_WEBHOOK_SECERT \(did you mean OUTBOX_WEBHOOK_SECRET"
+    ):
+        resolve_publisher(settings.publisher, **settings.publisher_options)
+    with pytest.raises(ConfigError, match="OUTBOX_KOMBU_EXCHANGES"):
+        resolve_publisher("amqp://guest@127.0.0.1//", kombu_exchanges="events")

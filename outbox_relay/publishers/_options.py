@@ -10,9 +10,11 @@ values, and carving timeouts out of the publish budget.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from .protocol import load_callable
 
 __all__ = ["as_callable_or", "constructor_kwargs", "split_budget"]
@@ -47,9 +49,26 @@ def constructor_kwargs(
 ) -> dict[str, Any]:
     """A publisher's keywords: ``defaults``, then the relay's options renamed by
     ``names`` (``{"webhook_secret": "secret"}``), then per-route ``overrides``."""
+    _refuse_unknown(options, names)
     kwargs: dict[str, Any] = dict(defaults or {})
     for option, kwarg in names.items():
         if options.get(option) is not None:
             kwargs[kwarg] = options[option]
     kwargs.update(overrides or {})
     return kwargs
+
+
+def _refuse_unknown(options: Mapping[str, Any], names: Mapping[str, str]) -> None:
+    """An option of this publisher's kind that it does not know is a mistake:
+    a misspelled ``OUTBOX_WEBHOOK_SECERT`` would otherwise send webhooks unsigned."""
+    prefixes = tuple({name.split("_", 1)[0] + "_" for name in names})
+    unknown = sorted(o for o in options if o.startswith(prefixes) and o not in names)
+    if not unknown:
+        return
+    parts = []
+    for option in unknown:
+        close = difflib.get_close_matches(option, sorted(names), n=1)
+        hint = f" (did you mean OUTBOX_{close[0].upper()}?)" if close else ""
+        parts.append(f"OUTBOX_{option.upper()}{hint}")
+    known = ", ".join(f"OUTBOX_{n.upper()}" for n in sorted(names))
+    raise ConfigError(f"unknown publisher option(s): {', '.join(parts)}; known: {known}")
