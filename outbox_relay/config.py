@@ -260,6 +260,9 @@ class Settings(_Loadable):
     queue: str = "outbox"
     listen: bool = True
     pool_size: int = 4
+    # The bound of every database call of the relay: waiting for a pooled
+    # connection, connecting, each statement, and a silent (half-open) socket.
+    database_timeout_seconds: float = 10.0
     # True: every finalize waits for the WAL flush, like any commit. False:
     # finalizes and lease renewals commit without waiting; a database crash
     # can then forget the last moments of finalizes, whose rows are still
@@ -291,6 +294,7 @@ class Settings(_Loadable):
                 "max_in_flight": self.max_in_flight,
                 "publish_concurrency": self.publish_concurrency,
                 "pool_size": self.pool_size,
+                "database_timeout_seconds": self.database_timeout_seconds,
                 "purge_after_seconds": self.purge_after_seconds,
             }
         )
@@ -301,6 +305,12 @@ class Settings(_Loadable):
             raise ConfigError(
                 f"OUTBOX_CHUNK_SIZE ({self.chunk_size}) must not exceed "
                 f"OUTBOX_BATCH_SIZE ({self.batch_size})"
+            )
+        if self.database_timeout_seconds >= self.lease_seconds:
+            raise ConfigError(
+                f"OUTBOX_DATABASE_TIMEOUT_SECONDS ({self.database_timeout_seconds:g}) must be "
+                f"less than OUTBOX_LEASE_SECONDS ({self.lease_seconds:g}): a finalize that may "
+                "wait longer than a lease would be fenced off anyway"
             )
         worst = self.worst_delivery_seconds
         if worst >= self.lease_seconds:

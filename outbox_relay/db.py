@@ -2,21 +2,42 @@
 
 ``DirectDatabase`` wraps one connection the caller owns (tests, the plain
 loop, a user's own script). ``PoolDatabase`` is a per-process pool that
-retries an idempotent call once on a broken connection.
+bounds every call in time and retries an idempotent call once on a broken
+connection.
+
+Every call has a bound, because a database host that vanishes or fails over
+leaves half-open sockets: no FIN, no RST, and a client that waits for an
+answer forever. Three layers: TCP keepalives and ``tcp_user_timeout`` (the
+kernel gives up on a peer that stopped acknowledging), a server-side
+``statement_timeout``, and a client-side watchdog that severs a connection
+whose call outlived its deadline (the only bound when something between us
+and the server still acknowledges bytes but forwards none, such as a proxy
+or a load balancer whose backend went away).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from .store._base import relax_commit
+from .store._base import relax_commit, set_statement_timeout
 
-__all__ = ["Database", "DirectDatabase", "PoolDatabase", "as_database"]
+__all__ = [
+    "Database",
+    "DirectDatabase",
+    "PoolDatabase",
+    "Watchdog",
+    "as_database",
+    "bounded_connection_kwargs",
+]
 
 log = logging.getLogger("outbox_relay.db")
 T = TypeVar("T")
@@ -43,8 +64,77 @@ def as_database(db: psycopg.Connection[Any] | Database) -> Database:
     return DirectDatabase(db) if isinstance(db, psycopg.Connection) else db
 
 
+def bounded_connection_kwargs(timeout: float) -> dict[str, Any]:
+    """libpq parameters that bound connecting and a silent peer by ``timeout``."""
+    return {
+        "connect_timeout": max(2, int(timeout)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(timeout / 2)),
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        # Data sent and not acknowledged for this long: the peer is gone.
+        "tcp_user_timeout": int(timeout * 1000),
+    }
+
+
+class Watchdog:
+    """Severs connections whose call outlived its deadline.
+
+    One daemon thread per process; a call registers its connection for the
+    call's duration (a dict entry, no thread per call). Severing shuts the
+    socket down, so the waiting call fails at once with ``OperationalError``
+    and the pool discards the broken connection.
+    """
+
+    def __init__(self, *, tick: float = 0.25) -> None:
+        self._tick = tick
+        self._lock = threading.Lock()
+        self._deadlines: dict[int, tuple[float, psycopg.Connection[Any]]] = {}
+        self._thread: threading.Thread | None = None
+        self.severed = 0
+
+    @contextlib.contextmanager
+    def watch(self, conn: psycopg.Connection[Any], seconds: float) -> Iterator[None]:
+        key = id(conn)
+        with self._lock:
+            self._deadlines[key] = (time.monotonic() + seconds, conn)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="outbox-db-watchdog", daemon=True
+                )
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._deadlines.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._tick)
+            now = time.monotonic()
+            with self._lock:
+                overdue = [c for d, c in self._deadlines.values() if d <= now]
+                for conn in overdue:
+                    self._deadlines.pop(id(conn), None)
+            for conn in overdue:
+                self._sever(conn)
+
+    def _sever(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            fd = conn.pgconn.socket
+            # A duplicate of the descriptor: shutdown() acts on the socket
+            # itself, and closing our duplicate leaves psycopg's fd alone.
+            with socket.socket(fileno=socket.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            self.severed += 1
+            log.warning("a database call outlived its deadline; its connection was cut")
+        except (OSError, psycopg.Error):
+            pass  # already closed: the call is failing anyway
+
+
 class PoolDatabase:
-    """A per-process connection pool that retries an idempotent call once.
+    """A per-process connection pool: bounded calls, one retry when idempotent.
 
     A terminated backend, a restarted server or a failover surfaces as
     ``OperationalError`` on the next statement. Reads and fenced writes are
@@ -53,24 +143,39 @@ class PoolDatabase:
     reached the server, a retry would lease a second batch while the first
     one's rows sit leased with no task to deliver them (until the rescuer
     frees them a lease later). Such calls pass ``retry=False``.
+
+    ``timeout`` bounds every call: waiting for a pooled connection,
+    connecting, each statement on the server, and the whole call on the
+    client (see the module's docstring).
     """
 
     def __init__(
-        self, dsn: str, *, size: int, name: str, synchronous_finalize: bool = True
+        self,
+        dsn: str,
+        *,
+        size: int,
+        name: str,
+        synchronous_finalize: bool = True,
+        timeout: float = 10.0,
     ) -> None:
+        self.timeout = timeout
+
         def configure(conn: psycopg.Connection[Any]) -> None:
+            set_statement_timeout(conn, timeout)
             if not synchronous_finalize:
                 # Finalizes stop waiting for the WAL flush; claims still
                 # commit durably (store.claim sets it back for its transaction).
                 relax_commit(conn)
 
+        self.watchdog = Watchdog()
         self.pool = ConnectionPool(
             dsn,
             min_size=1,
             max_size=max(1, size),
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, **bounded_connection_kwargs(timeout)},
             configure=configure,
             name=name,
+            timeout=timeout,
             open=True,
         )
 
@@ -79,7 +184,11 @@ class PoolDatabase:
         for attempt in range(1, attempts + 1):
             with self.pool.connection() as conn:
                 try:
-                    return fn(conn)
+                    # A little past the server's statement_timeout, so a
+                    # healthy but slow statement is cancelled by the server
+                    # (connection kept) before the watchdog cuts it.
+                    with self.watchdog.watch(conn, self.timeout * 1.5 + 1.0):
+                        return fn(conn)
                 except psycopg.OperationalError:
                     if attempt == attempts or not conn.broken:
                         raise

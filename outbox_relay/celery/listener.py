@@ -21,6 +21,7 @@ import psycopg
 from celery import bootsteps
 
 from .. import store
+from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
@@ -40,7 +41,9 @@ class NotifyListener:
         trigger: Callable[[], None],
         *,
         debounce: float = 0.05,
+        timeout: float = 10.0,
     ) -> None:
+        self.connect_kwargs = bounded_connection_kwargs(timeout)
         self.dsn = dsn
         self.table = table
         self.trigger = trigger
@@ -69,7 +72,10 @@ class NotifyListener:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self.dsn, autocommit=True) as conn:
+                # Keepalives: a LISTEN connection is idle by nature, and a
+                # dead peer must not leave it waiting forever (beat's polling
+                # covers the gap until it reconnects).
+                with psycopg.connect(self.dsn, autocommit=True, **self.connect_kwargs) as conn:
                     store.listen(conn, table=self.table)
                     backoff = 0.5
                     # Rows may have arrived while we were not listening.
@@ -163,7 +169,9 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         def trigger() -> None:
             claim.apply_async(serializer="json", producer=producer)
 
-        self.listener = NotifyListener(s.require_dsn(), s.outbox_table, trigger)
+        self.listener = NotifyListener(
+            s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout_seconds
+        )
         self.listener.start()
 
     def stop(self, worker: Any) -> None:

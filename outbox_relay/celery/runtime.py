@@ -25,7 +25,7 @@ import psycopg
 
 from .. import store
 from ..config import Settings
-from ..db import PoolDatabase
+from ..db import PoolDatabase, bounded_connection_kwargs
 from ..errors import ConfigError, OutboxError, RetryableError
 from ..model import Message
 from ..outbox import Outbox
@@ -180,7 +180,8 @@ class Installation:
         """Connect once and check the table is migrated (then disconnect)."""
         table = self.settings.outbox_table
         try:
-            with psycopg.connect(self.settings.require_dsn(), connect_timeout=10) as conn:
+            kwargs = bounded_connection_kwargs(self.settings.database_timeout_seconds)
+            with psycopg.connect(self.settings.require_dsn(), **kwargs) as conn:
                 exists = store.table_exists(conn, table=table)
                 missing = store.missing_migrations(conn, table=table) if exists else []
         except psycopg.Error as exc:
@@ -233,6 +234,7 @@ class Installation:
             size=s.pool_size,
             name=f"outbox-relay-{os.getpid()}",
             synchronous_finalize=s.synchronous_finalize,
+            timeout=s.database_timeout_seconds,
         )
         keeper = LeaseKeeper(db, lease, table=table)
         deliverer = Deliverer(

@@ -28,12 +28,23 @@ class Purger:
         self.max_batches = max_batches
 
     def run_once(self) -> store.PurgeResult:
-        return self.db.run(
-            lambda conn: store.purge(
-                conn,
-                older_than=self.older_than,
-                batch_size=self.batch_size,
-                max_batches=self.max_batches,
-                table=self.table,
+        """Up to ``max_batches`` batches, each its own bounded database call."""
+        deleted = batches = 0
+        first: store.PurgeResult | None = None
+        while batches < self.max_batches:
+            result = self.db.run(
+                lambda conn: store.purge(
+                    conn,
+                    older_than=self.older_than,
+                    batch_size=self.batch_size,
+                    max_batches=1,
+                    table=self.table,
+                )
             )
-        )
+            first = first or result
+            deleted += result.deleted
+            batches += 1
+            if result.deleted < self.batch_size:
+                break
+        assert first is not None  # max_batches >= 1
+        return store.PurgeResult(deleted=deleted, batches=batches, cutoff=first.cutoff)

@@ -63,6 +63,11 @@ SELECT 1;
 -- (Settings.synchronous_finalize = false); claims set it back (durable_commit).
 SET synchronous_commit = off;
 
+-- name: set_statement_timeout
+-- The server-side bound of every statement of a relay connection (SET takes
+-- no bind parameters; set_config does).
+SELECT set_config('statement_timeout', %(value)s, false);
+
 -- name: durable_commit
 -- A claim bumps the fencing token; its commit must be durable even on a
 -- connection that finalizes with synchronous_commit = off (see Settings.

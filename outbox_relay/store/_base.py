@@ -19,6 +19,7 @@ __all__ = [
     "clip",
     "queries",
     "relax_commit",
+    "set_statement_timeout",
     "statement_tx",
 ]
 
@@ -59,3 +60,8 @@ def begin_caller_transaction(conn: psycopg.Connection[Any]) -> None:
 def relax_commit(conn: psycopg.Connection[Any]) -> None:
     """Let this session's commits stop waiting for the WAL flush (finalizes only)."""
     conn.execute(queries(None).async_commit_session)
+
+
+def set_statement_timeout(conn: psycopg.Connection[Any], seconds: float) -> None:
+    """Bound every statement of this session on the server."""
+    conn.execute(queries(None).set_statement_timeout, {"value": f"{int(seconds * 1000)}ms"})

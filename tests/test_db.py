@@ -1,0 +1,78 @@
+"""Every database call of the relay has a bound in time, also on half-open sockets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import psycopg
+import pytest
+
+from outbox_relay import NewMessage, enqueue_many, store
+from outbox_relay.db import PoolDatabase
+
+from .tcp_proxy import SilencingProxy
+
+TIMEOUT = 1.0  # the relay's OUTBOX_DATABASE_TIMEOUT_SECONDS in these tests
+BOUND = TIMEOUT * 1.5 + 1.0 + 1.0  # the watchdog's deadline, plus its tick and slack
+
+
+@pytest.fixture
+def proxy(dsn: str) -> Iterator[SilencingProxy]:
+    p = SilencingProxy(dsn)
+    yield p
+    p.close()
+
+
+def test_a_call_on_a_silenced_connection_is_cut_and_retried(
+    dsn: str, proxy: SilencingProxy
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        enqueue_many(conn, [NewMessage("o", "1", "e", {})])
+        store.claim(conn, owner="w", batch=1, lease=timedelta(minutes=5))
+    db = PoolDatabase(proxy.dsn, size=1, name="silenced", timeout=TIMEOUT)
+    try:
+        assert db.run(store.in_flight) == 1
+        # The database host "fails over": the pooled connection goes silent,
+        # new connections reach the server.
+        proxy.silence()
+        started = time.monotonic()
+        assert db.run(store.in_flight) == 1  # cut, then retried on a new connection
+        assert time.monotonic() - started < BOUND
+        assert db.watchdog.severed == 1
+    finally:
+        db.close()
+
+
+def test_a_claim_on_a_silenced_connection_fails_in_bounded_time(
+    dsn: str, proxy: SilencingProxy
+) -> None:
+    db = PoolDatabase(proxy.dsn, size=1, name="silenced-claim", timeout=TIMEOUT)
+    try:
+        assert db.run(store.in_flight) == 0
+        proxy.silence()
+        started = time.monotonic()
+        with pytest.raises(psycopg.OperationalError):
+            # Not retried (its commit may have happened): it fails, and the
+            # next claim runs on a fresh connection.
+            db.run(
+                lambda conn: store.claim(conn, owner="w", batch=5, lease=timedelta(seconds=30)),
+                retry=False,
+            )
+        assert time.monotonic() - started < BOUND
+        assert db.run(store.in_flight) == 0
+    finally:
+        db.close()
+
+
+def test_a_slow_statement_is_cancelled_by_the_server_first(dsn: str) -> None:
+    db = PoolDatabase(dsn, size=1, name="slow", timeout=TIMEOUT)
+    try:
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            db.run(lambda conn: conn.execute("SELECT pg_sleep(5)"))
+        # The server's statement_timeout fired: the connection is intact.
+        assert db.watchdog.severed == 0
+        assert db.run(store.in_flight) == 0
+    finally:
+        db.close()
