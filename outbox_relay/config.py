@@ -262,7 +262,8 @@ class Settings(_Loadable):
     pool_size: int = 4
     # The bound of every database call of the relay: waiting for a pooled
     # connection, connecting, each statement, and a silent (half-open) socket.
-    database_timeout_seconds: float = 10.0
+    # None: 10 s, or a third of the lease when that is shorter.
+    database_timeout_seconds: float | None = None
     # True: every finalize waits for the WAL flush, like any commit. False:
     # finalizes and lease renewals commit without waiting; a database crash
     # can then forget the last moments of finalizes, whose rows are still
@@ -294,7 +295,7 @@ class Settings(_Loadable):
                 "max_in_flight": self.max_in_flight,
                 "publish_concurrency": self.publish_concurrency,
                 "pool_size": self.pool_size,
-                "database_timeout_seconds": self.database_timeout_seconds,
+                "database_timeout_seconds": self.database_timeout,
                 "purge_after_seconds": self.purge_after_seconds,
             }
         )
@@ -306,9 +307,9 @@ class Settings(_Loadable):
                 f"OUTBOX_CHUNK_SIZE ({self.chunk_size}) must not exceed "
                 f"OUTBOX_BATCH_SIZE ({self.batch_size})"
             )
-        if self.database_timeout_seconds >= self.lease_seconds:
+        if self.database_timeout >= self.lease_seconds:
             raise ConfigError(
-                f"OUTBOX_DATABASE_TIMEOUT_SECONDS ({self.database_timeout_seconds:g}) must be "
+                f"OUTBOX_DATABASE_TIMEOUT_SECONDS ({self.database_timeout:g}) must be "
                 f"less than OUTBOX_LEASE_SECONDS ({self.lease_seconds:g}): a finalize that may "
                 "wait longer than a lease would be fenced off anyway"
             )
@@ -355,6 +356,12 @@ class Settings(_Loadable):
         if self.rescue_interval_seconds is None:
             return self.claim_interval_seconds
         return self.rescue_interval_seconds
+
+    @property
+    def database_timeout(self) -> float:
+        if self.database_timeout_seconds is None:
+            return min(10.0, self.lease_seconds / 3.0)
+        return self.database_timeout_seconds
 
     @property
     def waves(self) -> int:

@@ -68,6 +68,13 @@ def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
     Settings(chunk_size=128, lease_seconds=10, publish_timeout_seconds=2)
 
 
+def test_every_database_call_is_bounded_within_the_lease() -> None:
+    assert Settings().database_timeout == 10
+    assert Settings(lease_seconds=6, publish_timeout_seconds=1).database_timeout == 2
+    with pytest.raises(ConfigError, match="OUTBOX_DATABASE_TIMEOUT_SECONDS"):
+        Settings(lease_seconds=20, database_timeout_seconds=30)
+
+
 def test_the_rescuer_ticks_with_the_claim_unless_told_otherwise() -> None:
     assert Settings(claim_interval_seconds=2).rescue_interval == 2
     assert Settings(rescue_interval_seconds=7).rescue_interval == 7

@@ -170,7 +170,7 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             claim.apply_async(serializer="json", producer=producer)
 
         self.listener = NotifyListener(
-            s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout_seconds
+            s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout
         )
         self.listener.start()
 

@@ -180,7 +180,7 @@ class Installation:
         """Connect once and check the table is migrated (then disconnect)."""
         table = self.settings.outbox_table
         try:
-            kwargs = bounded_connection_kwargs(self.settings.database_timeout_seconds)
+            kwargs = bounded_connection_kwargs(self.settings.database_timeout)
             with psycopg.connect(self.settings.require_dsn(), **kwargs) as conn:
                 exists = store.table_exists(conn, table=table)
                 missing = store.missing_migrations(conn, table=table) if exists else []
@@ -234,7 +234,7 @@ class Installation:
             size=s.pool_size,
             name=f"outbox-relay-{os.getpid()}",
             synchronous_finalize=s.synchronous_finalize,
-            timeout=s.database_timeout_seconds,
+            timeout=s.database_timeout,
         )
         keeper = LeaseKeeper(db, lease, table=table)
         deliverer = Deliverer(
