@@ -29,4 +29,17 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 app.config_from_object(os.environ.get("CELERY_CONFIG_MODULE", "celeryconfig"), silent=True)
+
+# A broker that vanishes or fails over leaves half-open sockets: without a
+# bound on every socket operation, a worker (or the claim task's fan-out)
+# waits on one forever. Bounds for Redis; AMQP has heartbeats (Celery's
+# broker_heartbeat, on by default). A celeryconfig's own values win.
+if str(app.conf.broker_url).startswith(("redis", "rediss")):
+    app.conf.broker_transport_options = {
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+        **(app.conf.broker_transport_options or {}),
+    }
 install(app)

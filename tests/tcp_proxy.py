@@ -18,16 +18,21 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 
 class SilencingProxy:
-    def __init__(self, dsn: str) -> None:
-        params = conninfo_to_dict(dsn)
-        host = str(params.get("host") or "127.0.0.1")
-        port = int(params.get("port") or 5432)
-        self._target: Any = (
-            os.path.join(host, f".s.PGSQL.{port}") if host.startswith("/") else (host, port)
-        )
+    def __init__(self, dsn: str | None = None, *, target: tuple[str, int] | None = None) -> None:
+        """In front of a PostgreSQL ``dsn`` (``.dsn`` is the proxied one) or a TCP ``target``."""
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port)
+        self.dsn = ""
+        if dsn is not None:
+            params = conninfo_to_dict(dsn)
+            host = str(params.get("host") or "127.0.0.1")
+            port = int(params.get("port") or 5432)
+            unix = host.startswith("/")
+            self._target: Any = os.path.join(host, f".s.PGSQL.{port}") if unix else (host, port)
+            self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port)
+        else:
+            assert target is not None
+            self._target = target
         self._lock = threading.Lock()
         self._silenced: set[int] = set()
         self._generation = 0
