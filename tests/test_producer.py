@@ -592,3 +592,24 @@ def test_producer_locks_are_taken_in_a_stable_order(dsn: str) -> None:
         first.commit()
         thread.join(10)
         assert len(done) == 1 and isinstance(done[0], list), done
+
+
+def test_enqueue_without_the_migrations_says_to_migrate(fresh_database: str) -> None:
+    with psycopg.connect(fresh_database) as conn:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO orders VALUES (1)")
+        with pytest.raises(outbox_relay.ConfigError, match="run `outbox-relay migrate`"):
+            order_created(conn)
+        # The caller's transaction is still usable and keeps its own work.
+        conn.execute("INSERT INTO orders VALUES (2)")
+        conn.commit()
+        assert conn.execute("SELECT count(*) FROM orders").fetchone() == (2,)
+
+
+def test_enqueue_on_a_table_from_before_migration_3_says_to_migrate(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # An upgrade of the package without `outbox-relay migrate`: no ordered column.
+    conn.execute("ALTER TABLE outbox DROP COLUMN ordered")
+    with pytest.raises(outbox_relay.ConfigError, match="not migrated to this version"):
+        order_created(conn)
