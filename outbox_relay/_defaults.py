@@ -31,7 +31,7 @@ def register(source: Callable[[], ProducerSettings], *, explicit: bool) -> bool:
     with _lock:
         # configure() always wins; of several install()s the first one does
         # (a process that installs two apps passes each its own Outbox).
-        if _source is None or (explicit and not _explicit) or (explicit and _explicit):
+        if _source is None or explicit:
             _source, _explicit = source, explicit
             return True
         return False

@@ -227,16 +227,15 @@ class ProducerSettings(_Loadable):
 
 
 @dataclass(frozen=True)
-class Settings(_Loadable):
-    """All relay settings. Build one with ``Settings.load(conf)`` or directly."""
+class Settings(ProducerSettings):
+    """All relay settings: the producer settings (inherited) and the relay's own.
+
+    Build one with ``Settings.load(conf)`` or directly.
+    """
 
     _strict: ClassVar[bool] = True
 
     dsn: str | None = field(default=None, repr=False)  # may hold a password
-    table: str = "outbox"
-    ordered_event_types: tuple[str, ...] = ()
-    max_payload_bytes: int = 1_000_000
-    notify: bool = True
     publisher: Any = None  # "module:callable", a URL, a callable, or a routing mapping
     lease_seconds: float = 60.0
     publish_timeout_seconds: float = 10.0
@@ -277,12 +276,8 @@ class Settings(_Loadable):
     # out of repr so a secret never reaches a log line.
     publisher_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
-
     def _validate(self) -> None:
-        self.producer  # noqa: B018  (validates the producer part)
+        super()._validate()
         _positive(
             {
                 "lease_seconds": self.lease_seconds,
@@ -338,19 +333,6 @@ class Settings(_Loadable):
         )
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def producer(self) -> ProducerSettings:
-        return ProducerSettings(
-            table=self.table,
-            ordered_event_types=self.ordered_event_types,
-            max_payload_bytes=self.max_payload_bytes,
-            notify=self.notify,
-        )
-
-    @property
-    def outbox_table(self) -> OutboxTable:
-        return OutboxTable.parse(self.table)
-
     @property
     def rescue_interval(self) -> float:
         if self.rescue_interval_seconds is None:
