@@ -96,3 +96,19 @@ def test_a_misspelled_publisher_option_is_refused_not_ignored() -> None:
         resolve_publisher(settings.publisher, **settings.publisher_options)
     with pytest.raises(ConfigError, match="OUTBOX_KOMBU_EXCHANGES"):
         resolve_publisher("amqp://guest@127.0.0.1//", kombu_exchanges="events")
+
+
+def test_install_beat_false_leaves_the_schedule_to_the_user() -> None:
+    from celery import Celery
+
+    import outbox_relay
+
+    mine = Celery("mine", broker="memory://", set_as_current=False)
+    mine.conf.beat_schedule = {"nightly": {"task": "shop.report", "schedule": 86400}}
+    outbox_relay.install(mine, dsn="postgresql://db/app", publisher=print, beat=False)
+    assert sorted(mine.conf.beat_schedule) == ["nightly"]
+    theirs = Celery("theirs", broker="memory://", set_as_current=False)
+    outbox_relay.install(theirs, dsn="postgresql://db/app", publisher=print)
+    assert {"outbox-relay-claim", "outbox-relay-rescue", "outbox-relay-purge"} <= set(
+        theirs.conf.beat_schedule
+    )
