@@ -112,3 +112,8 @@ def test_install_beat_false_leaves_the_schedule_to_the_user() -> None:
     assert {"outbox-relay-claim", "outbox-relay-rescue", "outbox-relay-purge"} <= set(
         theirs.conf.beat_schedule
     )
+    # Each app runs its own relay tasks, bound to its own installation: a later
+    # app never picks up an earlier app's tasks (Celery's shared tasks would).
+    later = Celery("later", broker="memory://", set_as_current=False)
+    assert "outbox_relay.claim" not in later.tasks
+    assert mine.tasks["outbox_relay.claim"] is not theirs.tasks["outbox_relay.claim"]

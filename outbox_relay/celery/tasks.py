@@ -38,7 +38,16 @@ log = logging.getLogger("outbox_relay.celery")
 # which the rescuer frees once they expire).
 MAX_HELD_BACK_ROUNDS = 5
 
-_TASK = {"bind": True, "ignore_result": True, "serializer": "json", "typing": False}
+# shared=False: Celery would otherwise add a task to every app created in the
+# process, and a second app's relay tasks would run with the first app's
+# installation (its database, its publisher).
+_TASK = {
+    "bind": True,
+    "ignore_result": True,
+    "serializer": "json",
+    "typing": False,
+    "shared": False,
+}
 
 
 def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
