@@ -136,22 +136,45 @@ SELECT set_config('statement_timeout', %(timeout)s, true);
 -- name: op_grant_producer
 -- Least privilege for application code that calls enqueue(): insert the
 -- columns enqueue writes (so it cannot forge a status, lease or attempt
--- count), and read the columns the operation-key conflict check compares.
+-- count), and read only what the operation-key check needs: the key (ON
+-- CONFLICT names it), the id it returns and the content digest it compares
+-- (content_hash). Never another message's payload or headers, and nothing
+-- to change or delete. NOTIFY and the ordering advisory lock need no grant.
 -- The identity column needs no sequence privilege: PostgreSQL does not check
 -- one for GENERATED ... AS IDENTITY.
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
-              ordered, available_at)
+              ordered, available_at, content_hash)
    ON TABLE {table} TO {{role}};
-GRANT SELECT (id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key)
-   ON TABLE {table} TO {{role}};
+GRANT SELECT (id, operation_key, content_hash) ON TABLE {table} TO {{role}};
 
 -- name: op_grant_relay
--- Least privilege for the relay workers, beat and operator commands: read and
--- finalize rows (UPDATE also covers the claim's FOR UPDATE), delete finished
--- rows (purge), and read which migrations were applied. No INSERT, no DDL.
+-- Least privilege for the relay's workers and beat: read whole rows (they
+-- publish the payload), change only the dispatcher's columns (claim, begin,
+-- finalize, lease renewal, rescue; UPDATE also covers the claim's FOR
+-- UPDATE), delete finished rows (purge), and read which migrations were
+-- applied (the start-up check). No INSERT, no change to what a message
+-- says (payload, headers, event type, aggregate, key), no DDL.
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
-GRANT SELECT, UPDATE, DELETE ON TABLE {table} TO {{role}};
+GRANT SELECT, DELETE ON TABLE {table} TO {{role}};
+GRANT UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version,
+              last_error, done_at)
+   ON TABLE {table} TO {{role}};
+GRANT SELECT ON TABLE {migrations} TO {{role}};
+
+-- name: op_grant_operator
+-- Least privilege for people and scripts that run `outbox-relay status`,
+-- `dead list|retry|skip`, `purge` and the metrics exporter: read every
+-- column but the message's content (payload, headers and its digest:
+-- `dead list` never shows them), move dead rows back to pending or to done,
+-- and delete finished rows. No INSERT, no lease columns, no DDL.
+GRANT USAGE ON SCHEMA {schema} TO {{role}};
+GRANT SELECT (id, aggregate_type, aggregate_id, event_type, operation_key, created_at, status,
+              available_at, attempts, lease_owner, lease_until, lease_version, last_error,
+              done_at, ordered)
+   ON TABLE {table} TO {{role}};
+GRANT UPDATE (status, available_at, attempts, last_error, done_at) ON TABLE {table} TO {{role}};
+GRANT DELETE ON TABLE {table} TO {{role}};
 GRANT SELECT ON TABLE {migrations} TO {{role}};
 
 -- name: op_demo_orders_create

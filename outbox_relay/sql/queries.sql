@@ -9,17 +9,39 @@
 -- name: insert
 -- One new message, inside the caller's transaction. A repeated operation key
 -- inserts nothing; the caller then compares contents (insert_conflict).
+-- A keyed row stores a SHA-256 of its content (migration 0004), so that the
+-- comparison never reads another message's payload: a producer role needs
+-- no SELECT on payload. The same expression is in insert_conflict and in the
+-- migration's backfill; keep the three alike.
 INSERT INTO {table} AS o
        (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
-        available_at)
+        available_at, content_hash)
 VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s::jsonb,
         %(headers)s::jsonb, %(operation_key)s, %(ordered)s,
-        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval)
+        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
+        CASE WHEN %(operation_key)s::text IS NOT NULL
+             THEN sha256(convert_to(jsonb_build_array(
+                      %(aggregate_type)s::text, %(aggregate_id)s::text, %(event_type)s::text,
+                      %(payload)s::jsonb, %(headers)s::jsonb)::text, 'UTF8')) END)
 ON CONFLICT (operation_key) WHERE operation_key IS NOT NULL DO NOTHING
 RETURNING id;
 
 -- name: insert_conflict
--- The message that already holds an operation key, and whether it means the same thing.
+-- The message that already holds an operation key, and whether it means the
+-- same thing: the same digest of aggregate, event type, payload and headers
+-- (see insert). Only id, operation_key and content_hash are read.
+SELECT id,
+       content_hash = sha256(convert_to(jsonb_build_array(
+           %(aggregate_type)s::text, %(aggregate_id)s::text, %(event_type)s::text,
+           %(payload)s::jsonb, %(headers)s::jsonb)::text, 'UTF8')) AS same
+  FROM {table}
+ WHERE operation_key = %(operation_key)s;
+
+-- name: insert_conflict_full
+-- insert_conflict for a keyed row without a digest: one written by a producer
+-- of a version before migration 0004 while this one was already migrated (a
+-- rolling upgrade). Compares the content itself, which needs SELECT on
+-- payload and headers: a least-privilege producer role cannot run it.
 SELECT id,
        (aggregate_type = %(aggregate_type)s AND aggregate_id = %(aggregate_id)s
         AND event_type = %(event_type)s AND payload = %(payload)s::jsonb

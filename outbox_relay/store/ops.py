@@ -44,7 +44,13 @@ __all__ = [
     "status",
 ]
 
-RoleKind = Literal["producer", "relay"]
+RoleKind = Literal["producer", "relay", "operator"]
+# The grant query of each kind (sql/operations.sql).
+_GRANT_QUERIES = {
+    "producer": "op_grant_producer",
+    "relay": "op_grant_relay",
+    "operator": "op_grant_operator",
+}
 STATS_KEYS = (
     "pending",
     "processing",
@@ -355,19 +361,20 @@ def gauges(
 def grants(role: str, kind: RoleKind, *, table: TableLike = None) -> str:
     """The least-privilege GRANT statements for ``role``, as SQL text to review.
 
-    ``producer``: what ``enqueue`` needs. ``relay``: what workers, beat and
-    the operator commands need. The role is quoted as an identifier, so any
-    name is safe to pass. Nothing is executed.
+    ``producer``: what ``enqueue`` needs, and no payload of another message.
+    ``relay``: what workers and beat need; they change only the dispatcher's
+    columns. ``operator``: ``status``, ``dead list|retry|skip``, ``purge`` and
+    the metrics exporter, without reading message contents. The role is
+    quoted as an identifier, so any name is safe to pass. Nothing is executed.
     """
-    if kind not in ("producer", "relay"):
-        raise ValueError(f"kind must be 'producer' or 'relay', not {kind!r}")
+    if kind not in _GRANT_QUERIES:
+        raise ValueError(f"kind must be one of {', '.join(_GRANT_QUERIES)}, not {kind!r}")
     if not role:
         raise ValueError("role must not be empty")
-    q = queries(table)
-    text = q.op_grant_producer if kind == "producer" else q.op_grant_relay
+    text = getattr(queries(table), _GRANT_QUERIES[kind])
     # The role is filled in by a second pass: the first (the query loader)
     # only knows the table's identifiers and left {role} in place.
-    return sql.SQL(text).format(role=sql.Identifier(role)).as_string() + ";\n"
+    return str(sql.SQL(text).format(role=sql.Identifier(role)).as_string()) + ";\n"
 
 
 # ---------------------------------------------------------------- demo shop

@@ -61,11 +61,20 @@ def _insert(
             ids.append(int(row[0]))
             continue
         # The operation key exists: the same content is the same operation
-        # (return its id); anything else is a mistake.
+        # (return its id); anything else is a mistake. The digests are
+        # compared, not the payloads, so a producer role needs no right to
+        # read other messages (operations.grants).
         cur.execute(q.insert_conflict, params)
         existing = cur.fetchone()
         if existing is None:  # pragma: no cover - the key's row vanished meanwhile
             raise OperationKeyConflict(params["operation_key"], -1)
+        if existing[1] is None:
+            # Written by an older producer without a digest (a rolling
+            # upgrade): only the full comparison can tell.
+            cur.execute(q.insert_conflict_full, params)
+            existing = cur.fetchone()
+            if existing is None:  # pragma: no cover - as above
+                raise OperationKeyConflict(params["operation_key"], -1)
         if not existing[1]:
             raise OperationKeyConflict(params["operation_key"], int(existing[0]))
         ids.append(int(existing[0]))
