@@ -1,13 +1,15 @@
 """Example configuration for the standalone relay app.
 
 ``celery -A outbox_relay.app worker`` loads this module when it is importable
-(run from this folder, or set CELERY_CONFIG_MODULE). Every value falls back
-to the environment, so the same file serves development and containers.
+(run from this folder, or set CELERY_CONFIG_MODULE). The relay reads its own
+settings from the environment (``OUTBOX_*``), so the same file serves
+development and containers.
 """
 
 import os
 
 # The broker that carries the relay's tasks: only (id, lease_version) pairs.
+# Celery masks this one's password in `celery report` and Flower.
 broker_url = os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0")
 # Redis redelivers unacknowledged tasks after this long; it must exceed the
 # lease (the relay checks at start).
@@ -18,16 +20,17 @@ accept_content = ["json"]
 task_ignore_result = True
 task_default_queue = "outbox"
 
-# The relay (each also readable as OUTBOX_<NAME> from the environment).
-# No defaults for where the outbox lives and where messages go: a relay that
-# is not told must refuse to start, naming the setting, rather than read a
-# guessed database or publish to a placeholder URL. Keep passwords out of
-# OUTBOX_DSN (use PGPASSWORD or ~/.pgpass): `celery report` and Flower print
-# the settings.
-if os.environ.get("OUTBOX_DSN"):
-    outbox_dsn = os.environ["OUTBOX_DSN"]
-if os.environ.get("OUTBOX_PUBLISHER"):
-    outbox_publisher = os.environ["OUTBOX_PUBLISHER"]
+# The relay. Where the outbox lives (OUTBOX_DSN) and where messages go
+# (OUTBOX_PUBLISHER) are deliberately not set here: the relay reads them from
+# the environment itself, or from the files OUTBOX_DSN_FILE and
+# OUTBOX_PUBLISHER_FILE name (Docker and Kubernetes secrets), and refuses to
+# start, naming the setting, when neither is given. Copying them into this
+# module would put their passwords among the Celery settings that
+# `celery report`, `celery inspect conf` and Flower print. (The relay masks
+# the outbox_* settings it knows to hold secrets, but a value that never
+# enters the Celery configuration cannot be printed from it.) Read
+# docs/configuration.md, "Secrets". A setting that holds no secret may live
+# here as outbox_<name>:
 outbox_lease_seconds = float(os.environ.get("OUTBOX_LEASE_SECONDS", "60"))
 outbox_publish_timeout_seconds = float(os.environ.get("OUTBOX_PUBLISH_TIMEOUT_SECONDS", "10"))
 outbox_claim_interval_seconds = float(os.environ.get("OUTBOX_CLAIM_INTERVAL_SECONDS", "5"))

@@ -1,84 +1,96 @@
 """Keeping passwords out of what outbox-relay prints, logs and stores.
 
-Three kinds of text leave the process carrying addresses that may hold a
+Four kinds of text leave the process carrying values that may hold a
 secret, and each has one rule here, so every place masks alike:
 
-* a **DSN shown to a person** (the CLI, the demo): ``mask_dsn`` replaces the
-  password and keeps everything else, so the reader can still tell which
-  database or broker it is;
+* a **DSN shown to a person** (the CLI, the demo, ``Settings`` reprs):
+  ``mask_dsn`` replaces the password and keeps everything else, so the
+  reader can still tell which database or broker it is;
 * an **endpoint URL in a log line, a repr or ``last_error``** (the
   publishers): ``redact_url`` masks the password and drops the query and
   fragment, where webhook tokens and signed-URL signatures travel;
 * an **error message** from a driver, which may echo what it was given:
-  ``scrub`` removes a known DSN's password from it.
+  ``scrub`` removes a known DSN's password from it, and ``connect_error``
+  withholds a connection error whose text cannot be cleaned reliably;
+* a **setting's value kept in a Celery app's configuration**, which
+  ``celery report``, ``celery inspect conf`` and Flower print: ``Secret``
+  holds it and prints only its masked form.
 
-Each function returns its input unchanged when there is nothing to mask, so
-an address without a password (``redis+socket:///tmp/redis.sock``) is never
-rewritten into something that no longer works when pasted back.
+Each masking function returns its input unchanged when there is nothing to
+mask, so an address without a password (``redis+socket:///tmp/redis.sock``)
+is never rewritten into something that no longer works when pasted back.
+
+Credentials in a URL are read the widest way: they run from ``://`` to the
+*last* ``@``. libpq stops at the first ``@`` or ``/``, urllib at the first
+``/``, ``?`` or ``#``; a password with any of those characters left
+unencoded would then be cut short and its tail printed as a host or a path.
+Reading wider can only mask too much (an ``@`` in a query or path after a
+port hides the host), never too little.
 """
 
 from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import Iterable
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-__all__ = ["MASK", "mask_dsn", "redact_url", "scrub"]
+__all__ = [
+    "MASK",
+    "Secret",
+    "connect_error",
+    "mask_dsn",
+    "mask_spec",
+    "password_is_unambiguous",
+    "redact_url",
+    "reveal",
+    "scrub",
+]
 
 MASK = "****"
 _UNPARSEABLE = "<DSN hidden: not parseable>"
-# Where a URL's host ends, and where its path ends.
-_HOST_END = re.compile(r"[/?#]")
+# "scheme://" at the start: the URL form. Anything else is key=value (a
+# key=value password may itself contain "://").
+_URL_FORM = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.\-]*://")
 _QUERY_START = re.compile(r"[?#]")
+# A password query parameter: its value runs to the next "&name=" (a raw "&"
+# inside the password does not end it) or to the end, a "#" included.
+_PASSWORD_PARAM = re.compile(r"(?<=[?&])(password=)((?:[^&]|&(?![A-Za-z_][A-Za-z0-9_]*=))*)")
+# A mistyped URL ("amqp//user:pw@host"): keep a leading "scheme:" or
+# "scheme//", or the user of "user:pw@host"; what follows up to the last "@"
+# may be a password.
+_SPEC_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*[:/]+")
+# password=... in a key=value string libpq could not parse: quoted (to the
+# closing quote, or the end) or bare.
+_KV_PASSWORD = re.compile(r"password\s*=\s*(?:'((?:[^'\\]|\\.)*)'?|(\S+))")
+# The pieces a driver's message is cut into when looking for fragments of a
+# password it quoted under another name (a host, a port, a database).
+_TOKEN = re.compile(r"[^\s'\"`@:/=?#&,;()\[\]{}<>]+")
+# Fragments shorter than this are not looked for: masking every "a" or "10"
+# of a message would leave nothing readable.
+_MIN_FRAGMENT = 3
 
 
-def _split(url: str) -> tuple[str, str, str, str]:
-    """``(scheme + "://", credentials-and-host, path, query-and-fragment)``.
+def _credentials(rest: str) -> tuple[str, str, str] | None:
+    """``(user, password, "@" + the rest)`` of what follows ``scheme://``, or None.
 
-    Hand-rolled rather than ``urlsplit``, to read credentials the way libpq
-    does: they run up to an ``@`` before the first ``/``, so a password with
-    a raw ``?`` or ``#`` in it is still a password (``urlsplit`` would cut it
-    there and leave the rest unmasked). The *last* such ``@`` ends them,
-    which can only mask too much, never too little.
+    The credentials end at the *last* ``@`` (see the module docstring); the
+    user ends at the first ``:``. An empty password hides nothing.
     """
-    head, sep, rest = url.partition("://")
-    if not sep:
-        head, rest = "", url
-    slash = rest.find("/")
-    credentials, at, _ = (rest if slash < 0 else rest[:slash]).rpartition("@")
-    if at:
-        credentials += at
-        rest = rest[len(credentials) :]
-    end = _HOST_END.search(rest)
-    host, rest = (rest[: end.start()], rest[end.start() :]) if end else (rest, "")
-    cut = _QUERY_START.search(rest)
-    path, query = (rest[: cut.start()], rest[cut.start() :]) if cut else (rest, "")
-    return f"{head}{sep}", credentials + host, path, query
+    at = rest.rfind("@")
+    if at < 0:
+        return None
+    user, colon, password = rest[:at].partition(":")
+    if not colon or not password:
+        return None
+    return user, password, rest[at:]
 
 
-def _mask_authority(authority: str) -> str:
-    userinfo, at, host = authority.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    # An empty password hides nothing; "****" there would suggest one to fill in.
-    if at and colon and password:
-        return f"{user}:{MASK}@{host}"
-    return authority
-
-
-def _mask_query(query: str) -> str:
-    """A ``?...#...`` tail with any ``password=`` parameter masked, the rest byte for byte."""
-    body, hash_, fragment = query.partition("#")
-    pieces = body[1:].split("&") if body.startswith("?") else []
-    masked = [
-        f"{piece.partition('=')[0]}={MASK}"
-        if urllib.parse.unquote_plus(piece.partition("=")[0]) == "password"
-        and piece.partition("=")[2]
-        else piece
-        for piece in pieces
-    ]
-    return ("?" + "&".join(masked) if body.startswith("?") else body) + hash_ + fragment
+def _mask_password_params(text: str) -> str:
+    return _PASSWORD_PARAM.sub(lambda m: m.group(1) + (MASK if m.group(2) else ""), text)
 
 
 def mask_dsn(dsn: str) -> str:
@@ -86,12 +98,15 @@ def mask_dsn(dsn: str) -> str:
 
     The password may sit in the URL's user info or in a ``password=``
     parameter (of the query, or of a key=value string). Everything else is
-    kept as written. A DSN that cannot be parsed is hidden whole.
+    kept as written. A key=value DSN that cannot be parsed is hidden whole.
     """
-    if "://" in dsn:
-        head, authority, path, query = _split(dsn)
-        masked = f"{head}{_mask_authority(authority)}{path}{_mask_query(query)}"
-        return dsn if masked == dsn else masked
+    form = _URL_FORM.match(dsn)
+    if form:
+        head, rest = dsn[: form.end()], dsn[form.end() :]
+        found = _credentials(rest)
+        if found:
+            rest = f"{found[0]}:{MASK}{found[2]}"
+        return head + _mask_password_params(rest)
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
@@ -110,45 +125,224 @@ def redact_url(url: str) -> str:
     signed URL's signature is as secret as a password, and there is no
     telling which parameters are.
     """
-    head, authority, path, _ = _split(url)
-    return f"{head}{_mask_authority(authority)}{path}"
+    form = _URL_FORM.match(url)
+    head, rest = (url[: form.end()], url[form.end() :]) if form else ("", url)
+    found = _credentials(rest)
+    if found:
+        user, _, tail = found
+        # The query starts after the credentials: a "?" before the "@" is
+        # part of the password, and masked with it.
+        cut = _QUERY_START.search(tail)
+        return f"{head}{user}:{MASK}{tail[: cut.start()] if cut else tail}"
+    cut = _QUERY_START.search(rest)
+    return head + (rest[: cut.start()] if cut else rest)
+
+
+def _spec_credentials(spec: str) -> tuple[str, str, str] | None:
+    """``(kept prefix, hidden part, "@" + the rest)`` of a mistyped URL, or None."""
+    at = spec.rfind("@")
+    if at <= 0:
+        return None
+    prefix = _SPEC_PREFIX.match(spec, 0, at)
+    keep = prefix.end() if prefix else 0
+    if keep >= at:
+        return None
+    return spec[:keep], spec[keep:at], spec[at:]
+
+
+def mask_spec(spec: str) -> str:
+    """A publisher setting (``OUTBOX_PUBLISHER``) safe to print.
+
+    A URL is shown as ``redact_url`` shows it. Anything else holding an
+    ``@`` is taken for a mistyped URL (``amqp//guest:pw@rabbit//``, a
+    forgotten ``:``), whose text before the ``@`` may be a password: it is
+    masked. ``package.module:callable`` and ``celery:task`` stay as written.
+    """
+    if _URL_FORM.match(spec):
+        return redact_url(spec)
+    found = _spec_credentials(spec)
+    if found is None:
+        return spec
+    return f"{found[0]}{MASK}{found[2]}"
+
+
+def _url_passwords(dsn: str) -> set[str]:
+    """The passwords of a URL as written: user info (widest reading) and query."""
+    form = _URL_FORM.match(dsn)
+    if not form:
+        return set()
+    rest = dsn[form.end() :]
+    found: set[str] = set()
+    credentials = _credentials(rest)
+    if credentials:
+        found.add(credentials[1])
+    found.update(m.group(2) for m in _PASSWORD_PARAM.finditer(rest))
+    return found
+
+
+def _libpq_password(dsn: str) -> str | None:
+    """The password libpq itself reads from ``dsn``; raises on a DSN it cannot parse."""
+    password = conninfo_to_dict(dsn).get("password")
+    return None if password is None else str(password)
 
 
 def _passwords(dsn: str) -> set[str]:
-    """Every form in which ``dsn``'s password could appear in a message."""
-    found: set[str] = set()
-    if "://" in dsn:
-        _, authority, _, query = _split(dsn)
-        userinfo, at, _ = authority.rpartition("@")
-        if at and ":" in userinfo:
-            found.add(userinfo.split(":", 1)[1])
-        body = query.partition("#")[0][1:]
-        for key, value in urllib.parse.parse_qsl(body, keep_blank_values=True):
-            if key == "password":
-                found.add(value)
-    else:
-        try:
-            password = conninfo_to_dict(dsn).get("password")
-        except psycopg.ProgrammingError:
-            return found
-        if password is not None:
-            found.add(str(password))
+    """Every form in which ``dsn``'s password could appear in a message.
+
+    The password as written, and as libpq reads it where that differs (a
+    piece of it, for a URL whose password holds a raw ``@``); pieces shorter
+    than three characters are left to be found whole.
+    """
+    found = _url_passwords(dsn)
+    try:
+        libpq = _libpq_password(dsn)
+    except (psycopg.ProgrammingError, ValueError):
+        libpq = None
+        if not _URL_FORM.match(dsn):
+            # key=value that libpq cannot parse (an unclosed quote): the
+            # password's text as far as it can be told.
+            found.update(m.group(1) or m.group(2) for m in _KV_PASSWORD.finditer(dsn))
+            # Neither a URL nor key=value: perhaps a mistyped URL.
+            credentials = _spec_credentials(dsn) if "=" not in dsn else None
+            if credentials:
+                found.add(credentials[1])
+    if libpq is not None and (not found or len(libpq) >= _MIN_FRAGMENT):
+        found.add(libpq)
     # A driver may quote the password as given or percent-decoded.
     found |= {urllib.parse.unquote(p) for p in found}
+    found |= {urllib.parse.unquote_plus(p) for p in found}
     return {p for p in found if p}
+
+
+def password_is_unambiguous(dsn: str) -> bool:
+    """True when libpq reads ``dsn``'s password exactly where it is written.
+
+    False when libpq cannot parse the DSN at all, or reads a different
+    password than the one written (a raw ``@`` or ``/`` in a URL's
+    password: ``postgresql://u:se@cret@db/x`` gives libpq the password
+    ``se`` and the host ``cret@db``). Then any of its messages may quote a
+    piece of the password as a host, a port or a database name.
+    """
+    try:
+        libpq = _libpq_password(dsn)
+    except (psycopg.ProgrammingError, ValueError):
+        return False
+    if not _URL_FORM.match(dsn):
+        return True  # key=value: libpq's parse is the only one there is
+    written = _url_passwords(dsn)
+    if not written:
+        return libpq is None
+    decoded = {urllib.parse.unquote(p) for p in written}
+    return libpq is not None and libpq in decoded and len(decoded) == 1
+
+
+def _mask_fragments(text: str, secrets: Iterable[str]) -> str:
+    """Mask each token of ``text`` that is a piece (3 characters or more) of a secret."""
+    secrets = [s for s in secrets if len(s) >= _MIN_FRAGMENT]
+    if not secrets:
+        return text
+
+    def mask(match: re.Match[str]) -> str:
+        token = match.group(0)
+        if len(token) >= _MIN_FRAGMENT and any(token in s for s in secrets):
+            return MASK
+        return token
+
+    return _TOKEN.sub(mask, text)
 
 
 def scrub(text: str, dsn: str | None) -> str:
     """``text`` (an error message) without ``dsn``'s password, should a driver echo it.
 
-    The whole DSN, when quoted, becomes its masked form; then every
-    remaining occurrence of the password becomes ``****``.
+    ``dsn`` may be a DSN, a URL or a publisher setting. The whole of it,
+    when quoted, becomes its masked form; then every remaining occurrence of
+    the password becomes ``****``, and so does every word of the message
+    that is a piece of it (a driver that splits the address differently may
+    quote the password's tail as a host).
     """
     if not dsn:
         return text
-    masked = mask_dsn(dsn)
-    text = text.replace(dsn, masked if masked != _UNPARSEABLE else "<DSN>")
+    if _URL_FORM.match(dsn) or "=" in dsn:
+        masked = mask_dsn(dsn)
+        text = text.replace(dsn, masked if masked != _UNPARSEABLE else "<DSN>")
+    else:
+        text = text.replace(dsn, mask_spec(dsn))
+    passwords = _passwords(dsn)
     # Longest first, so a password that contains another form is replaced whole.
-    for password in sorted(_passwords(dsn), key=len, reverse=True):
+    for password in sorted(passwords, key=len, reverse=True):
         text = text.replace(password, MASK)
-    return text
+    return _mask_fragments(text, passwords)
+
+
+def connect_error(exc: BaseException, dsn: str) -> str:
+    """What to say about a failed connection to ``dsn``: the driver's first line, scrubbed.
+
+    When libpq reads the password somewhere other than where it is written
+    (``password_is_unambiguous``), its message may quote a piece of the
+    password as a host or a port, in a form no scrubbing can be sure to
+    find: the message is then withheld, and the reader is told why and what
+    to fix.
+    """
+    name = type(exc).__name__
+    if not password_is_unambiguous(dsn):
+        return (
+            f"{name} (the driver's message is withheld: libpq does not read the password "
+            "where it is written, so the message could quote part of it; percent-encode "
+            "@ : / ? # & in a URL's password, e.g. @ as %40, or quote it in key=value form)"
+        )
+    lines = str(exc).strip().splitlines()
+    return f"{name}: {scrub(lines[0], dsn)}" if lines else name
+
+
+class Secret:
+    """A value that prints masked: ``repr`` and ``str`` give ``shown``, never ``value``.
+
+    The relay stores its secret-bearing Celery settings (``outbox_dsn``,
+    ``outbox_publisher``, ``outbox_webhook_secret``, ``outbox_webhook_headers``
+    ...) as ``Secret`` once it has read them, so that ``celery report``,
+    ``celery inspect conf`` and Flower, which print settings with ``repr``,
+    show the masked form. It is deliberately not a ``str``: Celery's
+    ``inspect conf`` passes strings into its JSON reply as they are, and
+    sends every other object as its ``repr``. The value itself is
+    ``get_secret_value()`` (the name pydantic's ``SecretStr`` uses).
+    """
+
+    __slots__ = ("_shown", "_value")
+
+    def __init__(self, value: Any, shown: Any = MASK) -> None:
+        if isinstance(value, Secret):
+            value = value.get_secret_value()
+        self._value = value
+        self._shown = shown
+
+    def get_secret_value(self) -> Any:
+        return self._value
+
+    @property
+    def shown(self) -> Any:
+        """The masked form, the only one printed."""
+        return self._shown
+
+    def __repr__(self) -> str:
+        return repr(self._shown)
+
+    def __str__(self) -> str:
+        return self._shown if isinstance(self._shown, str) else repr(self._shown)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Secret):
+            return bool(self._value == other._value)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(("Secret", self._shown if isinstance(self._shown, str) else id(self)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (a prefork pool or a copy of the configuration needs
+        # the value); a pickle is data, never printed.
+        return (Secret, (self._value, self._shown))
+
+
+def reveal(value: Any) -> Any:
+    """The value inside a ``Secret``; any other value as it is."""
+    return value.get_secret_value() if isinstance(value, Secret) else value

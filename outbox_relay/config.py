@@ -13,21 +13,39 @@ There are two sets, because two kinds of process read them:
 * ``Settings``: everything the relay needs, producer settings included. A
   relay refuses unknown ``outbox_*`` / ``OUTBOX_*`` names at start, so a
   misspelled option is reported instead of silently ignored.
+
+Secrets (docs/configuration.md, "Secrets"): every setting ``x`` can also be
+read from a file named by ``x_file`` (``OUTBOX_DSN_FILE=/run/secrets/dsn``),
+so a password need be neither in the environment nor in a Celery setting.
+A value that may hold a secret and sits in a Celery app's configuration is
+replaced there by a ``Secret`` once the relay is installed (``hide_secrets``),
+which ``celery report``, ``celery inspect conf`` and Flower print masked; the
+relay reads the value inside.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from ._parse import as_bool, as_mapping, as_names, as_number
+from ._redact import MASK, Secret, mask_dsn, mask_spec, reveal
 from .errors import ConfigError
 from .table import OutboxTable
 
-__all__ = ["PUBLISHER_OPTION_PREFIXES", "ProducerSettings", "Settings", "env_name"]
+__all__ = [
+    "PUBLISHER_OPTION_PREFIXES",
+    "ProducerSettings",
+    "Secret",
+    "Settings",
+    "conceal",
+    "env_name",
+    "hide_secrets",
+]
 
 # Settings with these prefixes are options of one kind of publisher
 # (docs/publishers.md): OUTBOX_WEBHOOK_SECRET reaches the webhook publisher
@@ -46,6 +64,15 @@ _HINTS = {
     "to publish to is OUTBOX_PUBLISHER=amqp://... or redis://...",
     "celery_broker_url": "the Celery broker is CELERY_BROKER_URL",
 }
+
+# Every setting x may be read from the file named by x_file instead.
+_FILE = "_file"
+# Names of values to print masked (besides dsn, publisher and *_url): what
+# Celery's own HIDDEN_SETTINGS catches, and headers, whose values are
+# credentials (Authorization) under names Celery does not catch.
+_SECRET_NAME = re.compile(
+    r"secret|passw|token|api_?key|signature|auth|credential|cookie|headers", re.IGNORECASE
+)
 
 S = TypeVar("S", bound="_Loadable")
 
@@ -75,10 +102,65 @@ def _coerce(name: str, annotation: Any, raw: Any) -> Any:
 
 
 def _conf_get(conf: Any, key: str) -> Any:
+    """A Celery setting's value; the value itself when it is held in a ``Secret``."""
+    return reveal(_conf_raw(conf, key))
+
+
+def _conf_raw(conf: Any, key: str) -> Any:
     try:
         return conf.get(key)
     except Exception:  # Celery's Settings may raise on odd keys; treat as unset
         return None
+
+
+def read_secret_file(label: str, path: Any) -> str:
+    """The text of the file ``path`` names (setting ``label``), without trailing newlines.
+
+    ``echo pw > file`` and most editors end a file with a newline that is not
+    part of the secret; Docker and Kubernetes secrets have none.
+    """
+    path = reveal(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{label} must be a file path, got {type(path).__name__}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"{label} ({os.fspath(path)}): {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{label} ({os.fspath(path)}): not UTF-8 text") from None
+    value = text.rstrip("\r\n")
+    if not value:
+        raise ConfigError(f"{label} ({os.fspath(path)}) is empty")
+    return value
+
+
+def _pick(
+    name: str,
+    value: tuple[bool, Any],
+    path: Any,
+    label: Callable[[str], str],
+) -> tuple[bool, Any]:
+    """One source's ``name`` and ``name_file`` made one value: ``(found, value)``.
+
+    Both at once is refused rather than one silently preferred; an empty
+    value beside a file is taken for unset (``OUTBOX_DSN=`` left in a
+    ``.env``).
+    """
+    found, raw = value
+    if path is None or path == "":
+        return found, raw
+    if found and raw is not None and raw != "":
+        raise ConfigError(f"{label(name)} and {label(name + _FILE)} are both set; give one of them")
+    return True, read_secret_file(label(name + _FILE), path)
+
+
+def _conf_label(name: str) -> str:
+    return f"the Celery setting outbox_{name}"
+
+
+def _keyword_label(name: str) -> str:
+    return f"the keyword {name}="
 
 
 def _conf_keys(conf: Any) -> list[str]:
@@ -112,28 +194,73 @@ class _Loadable:
         if strict:
             _refuse_unknown(set(names), conf, environ, overrides)
         else:
-            unknown_here = set(overrides) - set(Settings.field_names())
+            unknown_here = {k[: -len(_FILE)] if k.endswith(_FILE) else k for k in overrides} - set(
+                Settings.field_names()
+            )
             if unknown_here:
                 raise ConfigError(_unknown_message(sorted(unknown_here), set(names)))
         values: dict[str, Any] = {}
         for name, f in names.items():
-            if name in overrides:
-                raw = overrides[name]
-            elif _conf_get(conf, f"outbox_{name}") is not None:
-                raw = _conf_get(conf, f"outbox_{name}")
-            elif env_name(name) in environ:
-                raw = environ[env_name(name)]
-            else:
-                continue
-            values[name] = _coerce(name, f.type, raw)
+            found, raw = _lookup(name, conf, environ, overrides)
+            if found:
+                values[name] = _coerce(name, f.type, raw)
         if "publisher_options" in names:
             options = _publisher_options(conf, environ)
             options.update(values.get("publisher_options", {}))
-            options.update({k: v for k, v in overrides.items() if _is_publisher_option(k)})
+            options.update(
+                _with_files(
+                    {k: reveal(v) for k, v in overrides.items() if _is_publisher_option(k)},
+                    _keyword_label,
+                )
+            )
             values["publisher_options"] = options
         return cls(**values)
 
     _strict: ClassVar[bool] = False
+
+
+def _lookup(
+    name: str, conf: Any, environ: Mapping[str, str], overrides: Mapping[str, Any]
+) -> tuple[bool, Any]:
+    """``(found, value)`` of setting ``name``: keyword, Celery setting, environment.
+
+    At each of them ``name_file`` may stand for ``name``; the first source
+    that has either wins.
+    """
+    found, raw = _pick(
+        name,
+        (name in overrides, reveal(overrides.get(name))),
+        overrides.get(name + _FILE),
+        _keyword_label,
+    )
+    if found:
+        return found, raw
+    conf_value = _conf_get(conf, f"outbox_{name}")
+    found, raw = _pick(
+        name,
+        (conf_value is not None, conf_value),
+        _conf_get(conf, f"outbox_{name}{_FILE}"),
+        _conf_label,
+    )
+    if found:
+        return found, raw
+    key = env_name(name)
+    return _pick(name, (key in environ, environ.get(key)), environ.get(key + "_FILE"), env_name)
+
+
+def _with_files(options: Mapping[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
+    """Publisher options of one source with each ``x_file`` read into ``x``."""
+    result: dict[str, Any] = {}
+    for name, value in options.items():
+        if name.endswith(_FILE):
+            base = name[: -len(_FILE)]
+            given = base in options
+            found, raw = _pick(base, (given, options.get(base)), value, label)
+            if found:
+                result[base] = raw
+        elif name + _FILE not in options:
+            result[name] = value
+    return result
 
 
 def _is_publisher_option(name: str) -> bool:
@@ -168,25 +295,109 @@ def _refuse_unknown(
     for key in environ:
         if key.startswith("OUTBOX_") and not key.startswith(_TOOLING_PREFIXES):
             found.add(key[len("OUTBOX_") :].lower())
-    unknown = sorted(
-        n for n in found if n not in known and n not in _OTHER_NAMES and not _is_publisher_option(n)
-    )
+
+    def is_known(name: str) -> bool:
+        if name.endswith(_FILE) and not name.startswith(PUBLISHER_OPTION_PREFIXES):
+            # x_file stands for x; only for the relay's own settings (the
+            # inbox's DSN is read elsewhere and has no file form).
+            return name[: -len(_FILE)] in known
+        return name in known or name in _OTHER_NAMES or _is_publisher_option(name)
+
+    unknown = sorted(n for n in found if not is_known(n))
     if unknown:
         raise ConfigError(_unknown_message(unknown, known))
 
 
 def _publisher_options(conf: Any, environ: Mapping[str, str]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
+    from_env: dict[str, Any] = {}
     for key, value in environ.items():
         name = key[len("OUTBOX_") :].lower() if key.startswith("OUTBOX_") else ""
         if _is_publisher_option(name):
-            found[name] = value
+            from_env[name] = value
+    from_conf: dict[str, Any] = {}
     for key in _conf_keys(conf):
         if key.startswith("outbox_"):
             name = key[len("outbox_") :]
             if _is_publisher_option(name) and _conf_get(conf, key) is not None:
-                found[name] = _conf_get(conf, key)
-    return found
+                from_conf[name] = _conf_get(conf, key)
+    # Celery settings win over the environment, option by option.
+    return {
+        **_with_files(from_env, lambda n: env_name(n)),
+        **_with_files(from_conf, _conf_label),
+    }
+
+
+# ------------------------------------------------------------------ secrets
+def _shown(name: str, value: Any) -> Any:
+    """How setting ``name`` (without ``outbox_``) is printed: any secret in it masked."""
+    if isinstance(value, Secret):
+        return value.shown
+    if value is None:
+        return None
+    if name == "dsn" or name.endswith("_dsn"):
+        return mask_dsn(value) if isinstance(value, str) else MASK
+    if name == "publisher":
+        return _shown_publisher(value)
+    if _SECRET_NAME.search(name):
+        # Header names help a reader; their values are the credentials.
+        return {k: MASK for k in value} if isinstance(value, Mapping) else MASK
+    if (name == "url" or name.endswith("_url")) and isinstance(value, str):
+        return mask_spec(value)
+    if isinstance(value, Mapping):
+        return {k: _shown(str(k), v) for k, v in value.items()}
+    return value
+
+
+def _shown_publisher(spec: Any) -> Any:
+    if isinstance(spec, str):
+        return mask_spec(spec)
+    if isinstance(spec, Mapping):
+        # A route table ({pattern: spec}) or one publisher with options
+        # ({"url": ..., "secret": ...}): specs shown as specs, options as options.
+        return {
+            k: _shown_publisher(v)
+            if isinstance(v, (str, Mapping)) and not _SECRET_NAME.search(str(k))
+            else _shown(str(k), v)
+            for k, v in spec.items()
+        }
+    return spec  # a callable: its repr names a function, not a secret
+
+
+def conceal(name: str, value: Any) -> Any:
+    """``value`` of setting ``name``, held in a ``Secret`` when printing it could leak.
+
+    Values with nothing to hide (a DSN without a password, a number, a
+    callable) come back as they are.
+    """
+    if isinstance(value, Secret):
+        return value
+    shown = _shown(name, value)
+    if shown is value or (type(shown) is type(value) and shown == value):
+        return value
+    return Secret(value, shown)
+
+
+def hide_secrets(conf: Any) -> None:
+    """Hold every ``outbox_*`` Celery setting that may carry a secret in a ``Secret``.
+
+    Celery prints an app's settings in ``celery report``, ``celery inspect
+    conf`` and Flower's worker page, masking only names that match its
+    ``HIDDEN_SETTINGS`` (``PASS``, ``SECRET``, ``KEY`` ...) and its own
+    broker and backend URLs: ``outbox_dsn``, ``outbox_publisher`` or
+    ``outbox_webhook_headers`` would be shown whole. A ``Secret`` is printed
+    through its ``repr``, which is the masked form; the relay reads the value
+    inside. ``install()`` calls this when the app is configured, when a
+    command imports the app's modules and when the relay reads its settings.
+    """
+    for key in _conf_keys(conf):
+        if not key.startswith("outbox_"):
+            continue
+        value = _conf_raw(conf, key)
+        if value is None or isinstance(value, Secret):
+            continue
+        concealed = conceal(key[len("outbox_") :], value)
+        if concealed is not value:
+            conf[key] = concealed
 
 
 def _positive(values: Mapping[str, float]) -> None:
@@ -235,7 +446,7 @@ class Settings(ProducerSettings):
 
     _strict: ClassVar[bool] = True
 
-    dsn: str | None = field(default=None, repr=False)  # may hold a password
+    dsn: str | None = None  # may hold a password: masked in repr
     publisher: Any = None  # "module:callable", a URL, a callable, or a routing mapping
     lease_seconds: float = 60.0
     publish_timeout_seconds: float = 10.0
@@ -272,9 +483,18 @@ class Settings(ProducerSettings):
     synchronous_finalize: bool = True
     purge_after_seconds: float = 7 * 86_400.0
     owner: str | None = None
-    # Keyword options for the publisher (webhook secret, exchange ...). Kept
-    # out of repr so a secret never reaches a log line.
-    publisher_options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Keyword options for the publisher (webhook secret, exchange ...). Their
+    # secrets are masked in repr, so none reaches a log line.
+    publisher_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __repr__(self) -> str:
+        # Written out rather than the dataclass's: the DSN's and the
+        # publisher URL's passwords, the webhook secret and header values
+        # are shown masked (a repr ends up in logs and tracebacks).
+        shown = ", ".join(
+            f"{f.name}={_shown(f.name, getattr(self, f.name))!r}" for f in fields(self)
+        )
+        return f"{type(self).__name__}({shown})"
 
     def _validate(self) -> None:
         super()._validate()

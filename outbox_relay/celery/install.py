@@ -7,6 +7,11 @@ purge), wires the per-process signal handlers and adds the worker bootstep
 rest: a worker started without ``-Q`` also consumes the outbox queue; one
 started with ``-Q billing`` consumes only ``billing`` and runs none of the
 relay's start-up work. The app's own tasks, routes and schedule are kept.
+
+It also hides the relay's secrets from what Celery prints (``celery report``,
+``celery inspect conf``, Flower): ``outbox_*`` settings that may hold one are
+replaced in ``app.conf`` by ``Secret`` values that print masked
+(``config.hide_secrets``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 from celery import signals
 
 from .. import _defaults
-from ..config import ProducerSettings
+from ..config import ProducerSettings, hide_secrets
 from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
 from ..outbox import Outbox
@@ -68,6 +73,7 @@ def install(
     # PROMETHEUS_MULTIPROC_DIR under the prefork pool).
     inst.observers.append(MetricsObserver())
 
+    _hide_secrets(app)
     _when_configured(app, lambda: _add_route(app, inst))
     if beat:
         _when_configured(app, lambda: _add_beat_entries(app, inst))
@@ -81,6 +87,24 @@ def _when_configured(app: Any, fn: Any) -> None:
         fn()
     else:
         app.on_after_configure.connect(lambda sender=None, **kw: fn(), weak=False)
+
+
+def _hide_secrets(app: Any) -> None:
+    """Mask the relay's secrets in ``app.conf`` wherever Celery could print them.
+
+    Three moments cover every way a value arrives: when the configuration is
+    first read (``celeryconfig``, ``config_from_object``, anything set before
+    that), when a command imports the app's modules (``celery report`` and
+    ``celery worker`` do, after the app module has run whatever assignments
+    it makes), and whenever the relay reads its settings (``Installation``).
+    """
+    _when_configured(app, lambda: hide_secrets(app.conf))
+
+    def on_import_modules(sender: Any = None, **kwargs: Any) -> None:
+        if sender is app:
+            hide_secrets(app.conf)
+
+    signals.import_modules.connect(on_import_modules, weak=False)
 
 
 def _add_route(app: Any, inst: Installation) -> None:

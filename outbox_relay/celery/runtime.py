@@ -24,7 +24,8 @@ from typing import Any
 import psycopg
 
 from .. import store
-from ..config import Settings
+from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
+from ..config import Settings, conceal, hide_secrets
 from ..db import PoolDatabase, bounded_connection_kwargs
 from ..errors import ConfigError, OutboxError, RetryableError
 from ..model import Message
@@ -76,6 +77,32 @@ def _translate_celery_retry(publisher: Publisher) -> Publisher:
     return publish
 
 
+def _secret_strings(name: str, value: Any) -> list[str]:
+    """The strings inside ``value`` that printing setting ``name`` would mask."""
+    if isinstance(value, str):
+        return [value] if conceal(name, value) is not value else []
+    if isinstance(value, Mapping):
+        found: list[str] = []
+        for key, item in value.items():
+            found += _secret_strings(name if name == "publisher" else str(key), item)
+        if name != "publisher" and conceal(name, value) is not value:
+            found += [v for v in value.values() if isinstance(v, str)]
+        return found
+    return []
+
+
+def _scrub_publisher(text: str, settings: Settings) -> str:
+    """``text`` without the publisher's URL passwords or its options' secrets."""
+    for spec in _secret_strings("publisher", settings.publisher):
+        # Whole, as it is printed elsewhere (query dropped: it may hold a
+        # token); then any piece of its password quoted on its own.
+        text = scrub(text.replace(spec, mask_spec(spec)), spec)
+    for name, value in settings.publisher_options.items():
+        for secret in sorted(_secret_strings(name, value), key=len, reverse=True):
+            text = text.replace(secret, MASK)
+    return text
+
+
 class Installation:
     """The relay installed into one Celery app (``app.outbox_relay``)."""
 
@@ -109,6 +136,9 @@ class Installation:
             # disagree with producers about the table or ordering.
             producer = dataclasses.asdict(self.outbox.settings)
             self._settings = Settings.load(self.app.conf, **{**self.overrides, **producer})
+            # Whatever was set on app.conf since it was configured: masked
+            # from now on in what Celery prints (inspect conf, Flower).
+            hide_secrets(self.app.conf)
         return self._settings
 
     def relay_queue(self) -> str:
@@ -179,15 +209,17 @@ class Installation:
     def check_database(self) -> None:
         """Connect once and check the table is migrated (then disconnect)."""
         table = self.settings.outbox_table
+        dsn = self.settings.require_dsn()
         try:
             kwargs = bounded_connection_kwargs(self.settings.database_timeout)
-            with psycopg.connect(self.settings.require_dsn(), **kwargs) as conn:
+            with psycopg.connect(dsn, **kwargs) as conn:
                 exists = store.table_exists(conn, table=table)
                 missing = store.missing_migrations(conn, table=table) if exists else []
         except psycopg.Error as exc:
+            # libpq's text may quote the DSN, or pieces of its password read
+            # as a host: connect_error scrubs it, or withholds it.
             raise ConfigError(
-                f"cannot connect to OUTBOX_DSN: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                f"cannot connect to OUTBOX_DSN ({mask_dsn(dsn)}): {connect_error(exc, dsn)}"
             ) from None
         if not exists:
             raise ConfigError(
@@ -203,11 +235,16 @@ class Installation:
     # ----------------------------------------------------- process state
     def publisher(self) -> Publisher:
         s = self.settings
-        base = resolve_publisher(
-            s.publisher,
-            publish_timeout_seconds=s.publish_timeout_seconds,
-            **dict(s.publisher_options),
-        )
+        try:
+            base = resolve_publisher(
+                s.publisher,
+                publish_timeout_seconds=s.publish_timeout_seconds,
+                **dict(s.publisher_options),
+            )
+        except ConfigError as exc:
+            # A mistyped URL (amqp//user:pw@host) is echoed by the resolver
+            # as the setting's value; the worker logs this message.
+            raise ConfigError(_scrub_publisher(str(exc), s)) from None
         wrapped = _translate_celery_retry(base)
         wrapped.timeout_seconds = publisher_timeout(base)  # type: ignore[attr-defined]
         return wrapped

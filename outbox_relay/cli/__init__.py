@@ -1,6 +1,6 @@
 """``outbox-relay``: the operator's command line.
 
-    outbox-relay [--dsn DSN] [--table [SCHEMA.]TABLE] COMMAND
+    outbox-relay [--dsn DSN | --dsn-file PATH] [--table [SCHEMA.]TABLE] COMMAND
 
     migrate [--sql]             apply migrations, or print the pending DDL to review
     status [--json] [--watch S] queue depth, oldest waiting message, leases, attempts
@@ -13,7 +13,9 @@
 The same commands run as ``celery -A APP outbox ...`` (entry point group
 ``celery.commands``); there the DSN and table default to the app's
 ``outbox_dsn`` / ``outbox_table`` settings. The DSN's password is never
-printed: wherever a DSN is shown it is masked.
+printed: wherever a DSN is shown it is masked. ``--dsn-file`` /
+``OUTBOX_DSN_FILE`` read the DSN from a file, which keeps the password out of
+``ps``; a password given in ``--dsn`` draws a warning on stderr.
 
 One module per command (group) beside this one; ``common.py`` holds the
 options and state they share.
@@ -52,8 +54,8 @@ def _make_group(name: str, help_text: str) -> click.Group:
     @click.group(name, help=help_text)
     @group_options
     @click.pass_context
-    def group(ctx: click.Context, dsn: str | None, table: str) -> None:
-        setup(ctx, dsn, table)
+    def group(ctx: click.Context, dsn: str | None, dsn_file: str | None, table: str) -> None:
+        setup(ctx, dsn, table, dsn_file)
 
     for command in _COMMANDS:
         group.add_command(command)

@@ -1,5 +1,12 @@
 """What every ``outbox-relay`` command shares: the resolved group options
-(``CliState``), the ``--dsn`` / ``--table`` options, durations and output."""
+(``CliState``), the ``--dsn`` / ``--dsn-file`` / ``--table`` options, durations
+and output.
+
+A password given in ``--dsn`` can be read by every user of the machine in
+``ps`` and stays in shell history: the CLI warns (on stderr, without the
+password) and offers ``--dsn-file`` / ``OUTBOX_DSN_FILE``, a file holding the
+DSN (a Docker or Kubernetes secret), besides ``OUTBOX_DSN``, ``PGPASSWORD``
+and ``~/.pgpass``."""
 
 from __future__ import annotations
 
@@ -15,8 +22,8 @@ import psycopg
 from psycopg import errors as pg_errors
 from rich.console import Console
 
-from .._redact import mask_dsn, scrub
-from ..config import Settings
+from .._redact import connect_error, mask_dsn, scrub
+from ..config import Settings, read_secret_file
 from ..errors import ConfigError
 from ..table import OutboxTable
 
@@ -92,6 +99,9 @@ class CliState:
     table_on_command_line: bool
     app: Any = None
     _settings: Settings | None = None
+    # --dsn-file / OUTBOX_DSN_FILE: a file holding the DSN.
+    dsn_file_option: str | None = None
+    dsn_file_on_command_line: bool = False
 
     def _app_settings(self) -> Settings:
         if self._settings is None:
@@ -108,9 +118,33 @@ class CliState:
         return self._settings
 
     def maybe_dsn(self) -> str | None:
-        if self.dsn_on_command_line or self.app is None:
-            return self.dsn_option or None
+        on_command_line = self.dsn_on_command_line or self.dsn_file_on_command_line
+        if on_command_line or self.app is None:
+            return self._given_dsn()
+        # The app's settings read outbox_dsn(_file), then OUTBOX_DSN(_FILE).
         return self._app_settings().dsn or None
+
+    def _given_dsn(self) -> str | None:
+        """``--dsn`` or ``--dsn-file``: the command line first, then the environment."""
+        if self.dsn_on_command_line and self.dsn_file_on_command_line:
+            raise click.UsageError("give --dsn or --dsn-file, not both")
+        if self.dsn_on_command_line:
+            return self.dsn_option or None
+        if self.dsn_file_on_command_line:
+            return self._read_dsn_file("--dsn-file")
+        if self.dsn_file_option:
+            if self.dsn_option:
+                raise click.UsageError(
+                    "OUTBOX_DSN and OUTBOX_DSN_FILE are both set; give one of them"
+                )
+            return self._read_dsn_file("OUTBOX_DSN_FILE")
+        return self.dsn_option or None
+
+    def _read_dsn_file(self, label: str) -> str:
+        try:
+            return read_secret_file(label, self.dsn_file_option)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
 
     @property
     def dsn(self) -> str:
@@ -118,7 +152,9 @@ class CliState:
         if found:
             return found
         where = " or set outbox_dsn in the Celery app" if self.app is not None else ""
-        raise click.UsageError(f"no database given: pass --dsn or set OUTBOX_DSN{where}")
+        raise click.UsageError(
+            f"no database given: pass --dsn or --dsn-file, or set OUTBOX_DSN{where}"
+        )
 
     @property
     def table(self) -> OutboxTable:
@@ -136,7 +172,7 @@ class CliState:
             )
         except psycopg.Error as exc:
             raise click.ClickException(
-                f"cannot connect to {mask_dsn(dsn)}: {scrub(str(exc), dsn).strip()}"
+                f"cannot connect to {mask_dsn(dsn)}: {connect_error(exc, dsn)}"
             ) from None
         try:
             with conn:
@@ -162,8 +198,33 @@ def _check_table(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+def _warn_password_on_command_line(dsn: str | None) -> None:
+    """Say on stderr, without the password, that ``--dsn`` exposes it.
+
+    Not an error: a throwaway database on a laptop is a fine place for it,
+    and scripts that work today must keep working.
+    """
+    if dsn and mask_dsn(dsn) != dsn:
+        click.echo(
+            "outbox-relay: warning: the password in --dsn is visible to every user of this "
+            "machine (ps, /proc) and stays in shell history; give the DSN with --dsn-file "
+            "or OUTBOX_DSN_FILE, or OUTBOX_DSN, or keep the password in PGPASSWORD or "
+            "~/.pgpass",
+            err=True,
+        )
+
+
 def group_options(fn: F) -> F:
-    """``--dsn`` and ``--table`` before the command name."""
+    """``--dsn``, ``--dsn-file`` and ``--table`` before the command name."""
+    fn = click.option(
+        "--dsn-file",
+        envvar="OUTBOX_DSN_FILE",
+        default=None,
+        show_envvar=True,
+        type=click.Path(dir_okay=False),
+        help="A file holding the PostgreSQL connection string (a Docker or Kubernetes "
+        "secret); keeps the password out of ps and shell history.",
+    )(fn)
     fn = click.option(
         "--table",
         envvar="OUTBOX_TABLE",
@@ -183,7 +244,7 @@ def group_options(fn: F) -> F:
     return fn
 
 
-def setup(ctx: click.Context, dsn: str | None, table: str) -> None:
+def setup(ctx: click.Context, dsn: str | None, table: str, dsn_file: str | None = None) -> None:
     """The group callback: resolve the group options into ``ctx.obj``."""
     source = click.core.ParameterSource.COMMANDLINE
     ctx.obj = CliState(
@@ -193,13 +254,27 @@ def setup(ctx: click.Context, dsn: str | None, table: str) -> None:
         table_on_command_line=ctx.get_parameter_source("table") == source,
         # Celery's own group put a CLIContext here, holding the app.
         app=getattr(ctx.obj, "app", None),
+        dsn_file_option=dsn_file,
+        dsn_file_on_command_line=ctx.get_parameter_source("dsn_file") == source,
     )
+    if ctx.obj.dsn_on_command_line:
+        _warn_password_on_command_line(dsn)
 
 
 def _set_dsn(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     state = ctx.find_object(CliState)
     if value is not None and state is not None:
+        # The command's --dsn replaces the group's (a --dsn-file included).
         state.dsn_option, state.dsn_on_command_line = value, True
+        state.dsn_file_on_command_line = False
+        _warn_password_on_command_line(value)
+
+
+def _set_dsn_file(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    state = ctx.find_object(CliState)
+    if value is not None and state is not None:
+        state.dsn_file_option, state.dsn_file_on_command_line = value, True
+        state.dsn_on_command_line = False
 
 
 def _set_table(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -222,6 +297,14 @@ def command_options(*, dsn: bool = True) -> Callable[[F], F]:
             help="The outbox table, [schema.]name (as before the command).",
         )(fn)
         if dsn:
+            fn = click.option(
+                "--dsn-file",
+                default=None,
+                expose_value=False,
+                callback=_set_dsn_file,
+                type=click.Path(dir_okay=False),
+                help="A file holding the connection string (as before the command).",
+            )(fn)
             fn = click.option(
                 "--dsn",
                 default=None,
