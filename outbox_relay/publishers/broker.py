@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from ssl import CERT_NONE, CERT_REQUIRED
 from typing import Any, Literal
 
 import kombu.common
@@ -34,6 +35,7 @@ import kombu.exceptions
 import kombu.messaging
 from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
 from kombu.transport import virtual
+from kombu.utils.url import parse_url
 
 from .._parse import as_bool, as_mapping
 from .._redact import redact_url, scrub
@@ -109,6 +111,40 @@ def _scheme(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else ""
 
 
+def _tls_options(scheme: str, url: str, given: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """kombu's ``ssl`` argument: TLS that verifies the certificate and the host name.
+
+    kombu's own defaults do not: ``rediss://`` without options connects with
+    ``ssl_cert_reqs=CERT_NONE`` (any certificate), and ``amqps://`` checks the
+    chain but not the host name (py-amqp only checks it when given a
+    ``server_hostname``; kombu fills in the URL's host when the key is there
+    and None). Options given (``kombu_ssl``, or ``ssl_*`` in a rediss URL's
+    query, which kombu reads itself) win over these defaults.
+    """
+    if scheme in ("redis", "rediss", "redis+socket"):
+        if scheme != "rediss" and not given:
+            return None
+        if "ssl" in parse_url(url):  # ?ssl_cert_reqs=... in the URL: kombu applies it
+            return None
+        return {"ssl_cert_reqs": CERT_REQUIRED, **(given or {})}
+    if scheme != "amqps" and not given:
+        return None
+    return {"cert_reqs": CERT_REQUIRED, "server_hostname": None, **(given or {})}
+
+
+def _unverified(options: Mapping[str, Any]) -> str | None:
+    """Why these TLS options do not verify the broker, or None."""
+    for key in ("cert_reqs", "ssl_cert_reqs"):
+        value = options.get(key)
+        text = value.lower() if isinstance(value, str) else None
+        if value == CERT_NONE or text in ("none", "cert_none"):
+            return f"{key}=CERT_NONE"
+    for key in ("check_hostname", "ssl_check_hostname"):
+        if options.get(key) is False:
+            return f"{key}=False"
+    return None
+
+
 class BrokerPublisher:
     """Publish each message's payload as JSON to an exchange.
 
@@ -131,6 +167,7 @@ class BrokerPublisher:
         write_timeout: float | None = None,
         confirm_timeout: float = 6.0,
         transport_options: Mapping[str, Any] | None = None,
+        ssl: Mapping[str, Any] | None = None,
     ) -> None:
         scheme = _scheme(url)
         if scheme not in BROKER_SCHEMES:
@@ -162,8 +199,21 @@ class BrokerPublisher:
         self.write_timeout = float(write_timeout if write_timeout is not None else connect_timeout)
         self.confirm_timeout = float(confirm_timeout)
         self._transport_options = dict(transport_options or {})
-        template = _Connection(url)  # never connected: error classes only
+        self._ssl = _tls_options(scheme, url, ssl)
+        # Never connected: the error classes, and the TLS options kombu will
+        # really use (a rediss URL's own ssl_* parameters win over ours).
+        template = _Connection(url, ssl=self._ssl if self._ssl is not None else False)
         self._where = redact_url(url)
+        effective = template.ssl
+        weak = _unverified(effective) if isinstance(effective, Mapping) else None
+        if weak is not None:
+            log.warning(
+                "broker %s: TLS certificate verification is off (%s): anyone who can "
+                "intercept the connection can read and change every message; trust a "
+                "private CA with its path (ca_certs for amqps, ssl_ca_certs for rediss) instead",
+                self._where,
+                weak,
+            )
         # The transport's own error classes (py-amqp's, redis-py's ...).
         self._errors: tuple[type[BaseException], ...] = tuple(
             template.connection_errors + template.channel_errors
@@ -197,6 +247,7 @@ class BrokerPublisher:
             "kombu_connect_timeout": "connect_timeout",
             "kombu_confirm_timeout": "confirm_timeout",
             "kombu_transport_options": "transport_options",
+            "kombu_ssl": "ssl",
         }
         kwargs = constructor_kwargs(
             options, overrides, names, split_budget(options, last="confirm_timeout")
@@ -211,6 +262,8 @@ class BrokerPublisher:
             kwargs["transport_options"] = as_mapping(
                 "kombu_transport_options", kwargs["transport_options"]
             )
+        if kwargs.get("ssl") is not None:
+            kwargs["ssl"] = as_mapping("kombu_ssl", kwargs["ssl"])
         publisher = cls(url, **kwargs)
         budget = options.get("publish_timeout_seconds")
         if budget is not None and publisher.timeout_seconds > float(budget) + 1e-9:
@@ -239,6 +292,8 @@ class BrokerPublisher:
             self.url,
             connect_timeout=self.connect_timeout,
             transport_options=options,
+            # A copy: kombu writes the host name into it (server_hostname).
+            ssl=dict(self._ssl) if self._ssl is not None else False,
             # No heartbeats: nothing here would service them between publishes,
             # and the broker would then close an idle connection.
             heartbeat=0,

@@ -18,19 +18,21 @@ any other 4xx                           ``PermanentError`` with an excerpt of th
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import ssl
+import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any
 
 import httpx
 
-from .._parse import as_bool, as_mapping, bool_or_same
+from .._parse import as_bool, as_mapping, as_names, bool_or_same
 from .._redact import redact_url, scrub
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
@@ -38,7 +40,13 @@ from ._http import TOKEN, decode_secret, excerpt, header_value, parse_retry_afte
 from ._options import constructor_kwargs, split_budget
 from ._process import PerProcess
 
-__all__ = ["WebhookPublisher", "parse_retry_after", "sign"]
+__all__ = [
+    "DEFAULT_FORWARD_HEADERS",
+    "NEVER_FORWARDED",
+    "WebhookPublisher",
+    "parse_retry_after",
+    "sign",
+]
 
 log = logging.getLogger("outbox_relay.publishers.webhook")
 
@@ -48,16 +56,26 @@ _EXCERPT_BYTES = 4096
 # longer one is cut off and the connection closed instead.
 _DRAIN_BYTES = 64 * 1024
 _RETRYABLE_4XX = frozenset({408, 425, 429})
-# Headers a message's own ``headers`` may not set: ours, and the ones that
-# frame the request (a wrong Content-Length would corrupt the connection).
-_RESERVED = frozenset(
+# Which of a message's own ``headers`` (from enqueue) are sent: trace
+# context by default. Producers are application code; what they put in a row
+# must not become the relay's credentials or override its metadata, so only
+# names an operator lists travel (webhook_forward_headers).
+DEFAULT_FORWARD_HEADERS = ("traceparent", "tracestate", "baggage")
+# Never taken from a message, even when listed: credentials, the headers that
+# frame the request (a wrong Content-Length would corrupt the connection),
+# and the relay's own metadata and signature. Names ending in "-" are prefixes.
+NEVER_FORWARDED = frozenset(
     {
+        "authorization",
+        "proxy-",
+        "cookie",
+        "set-cookie",
+        "host",
         "content-type",
         "content-length",
         "content-encoding",
         "transfer-encoding",
         "connection",
-        "host",
         "keep-alive",
         "te",
         "trailer",
@@ -65,11 +83,129 @@ _RESERVED = frozenset(
         "expect",
         "user-agent",
         "idempotency-key",
-        "webhook-id",
-        "webhook-timestamp",
-        "webhook-signature",
+        "webhook-",
+        "outbox-",
     }
 )
+# Configured header names (webhook_headers) that carry credentials, for the
+# plain-HTTP warning.
+_CREDENTIAL_WORDS = ("auth", "cookie", "token", "secret", "key", "password", "session", "signature")
+_FORWARD_OPTION = "OUTBOX_WEBHOOK_FORWARD_HEADERS (webhook_forward_headers)"
+
+
+def _never_forwarded(name: str) -> bool:
+    lower = name.lower()
+    return any(
+        lower.startswith(entry) if entry.endswith("-") else lower == entry
+        for entry in NEVER_FORWARDED
+    )
+
+
+def _forward_set(value: str | Iterable[str] | None) -> frozenset[str]:
+    """The allowlist, lower-cased; a ConfigError naming the setting for a bad entry."""
+    if value is None:
+        return frozenset(DEFAULT_FORWARD_HEADERS)
+    if not isinstance(value, str) and not isinstance(value, (list, tuple, set, frozenset)):
+        raise ConfigError(f"{_FORWARD_OPTION} must be a comma-separated list of header names")
+    names = as_names(_FORWARD_OPTION, value)
+    invalid = [n for n in names if not TOKEN.fullmatch(n)]
+    if invalid:
+        raise ConfigError(f"{_FORWARD_OPTION}: invalid header name(s): {', '.join(invalid)}")
+    refused = [n for n in names if _never_forwarded(n)]
+    if refused:
+        raise ConfigError(
+            f"{_FORWARD_OPTION} lists {', '.join(refused)}, which a message may never set: "
+            "credentials (Authorization, Cookie, Proxy-*), the request's framing (Host, "
+            "Content-Length, ...) and the relay's own Outbox-*, Idempotency-Key and webhook-* "
+            "headers. Configure fixed credentials with OUTBOX_WEBHOOK_HEADERS instead."
+        )
+    return frozenset(n.lower() for n in names)
+
+
+def _is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost: traffic that never leaves the machine."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _verification_off(verify: bool | ssl.SSLContext) -> bool:
+    if isinstance(verify, ssl.SSLContext):
+        return verify.verify_mode == ssl.CERT_NONE or not verify.check_hostname
+    return verify is False
+
+
+class _RedactUrls(logging.Filter):
+    """Rewrites httpx's and httpcore's log records so no webhook URL's
+    password or query token reaches a log.
+
+    httpx logs every request at INFO ("HTTP Request: POST <url> ..."), query
+    string included; the publisher sends credentials from the URL's user info
+    as an Authorization header instead, so the URL it logs has none, but a
+    receiver's ``?token=`` stays in the URL. Only the URLs of webhook
+    publishers are rewritten (to their ``redact_url`` form): the
+    application's own httpx logging is left as it is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._forms: dict[str, str] = {}
+
+    def register(self, forms: Iterable[str], safe: str) -> None:
+        with self._lock:
+            for form in forms:
+                if form and form != safe:
+                    self._forms[form] = safe
+
+    def redact(self, text: str) -> str:
+        # Longest first: a URL that extends another is replaced whole.
+        for form in sorted(self._forms, key=len, reverse=True):
+            if form in text:
+                text = text.replace(form, self._forms[form])
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._forms:
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is logging's problem, not ours
+            return True
+        redacted = self.redact(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True
+
+
+_REDACT = _RedactUrls()
+# Filters on a logger apply only to records created by that very logger (not
+# to its children's), so each logger that may quote a URL gets it.
+_HTTP_LOGGERS = (
+    "httpx",
+    "httpcore",
+    "httpcore.connection",
+    "httpcore.http11",
+    "httpcore.http2",
+    "httpcore.proxy",
+    "httpcore.socks",
+)
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _install_redaction() -> None:
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        for name in _HTTP_LOGGERS:
+            logging.getLogger(name).addFilter(_REDACT)
+        _installed = True
 
 
 def _user_agent() -> str:
@@ -110,6 +246,7 @@ class WebhookPublisher:
         verify: bool | str | ssl.SSLContext = True,
         max_retry_after: float = 86_400.0,
         trust_env: bool = True,
+        forward_headers: str | Iterable[str] | None = None,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -134,13 +271,63 @@ class WebhookPublisher:
         bad = [k for k in self._static_headers if not TOKEN.fullmatch(k)]
         if bad:
             raise ConfigError(f"invalid webhook header name(s): {', '.join(sorted(bad))}")
+        self.forward_headers = _forward_set(forward_headers)
         if isinstance(verify, str):
             verify = ssl.create_default_context(cafile=verify)
         self._verify: bool | ssl.SSLContext = verify
         self._trust_env = trust_env
         self._where = redact_url(url)
+        # Credentials in the URL's user info travel as an Authorization
+        # header (as httpx would send them anyway), and the URL handed to
+        # httpx has none: httpx logs that URL with every request.
+        target = httpx.URL(url)
+        self._auth: httpx.Auth | None = None
+        if target.username or target.password:
+            self._auth = httpx.BasicAuth(target.username, target.password)
+            target = target.copy_with(username=None, password=None)
+        self._target = target
+        _REDACT.register({url, str(target), str(httpx.URL(str(target)))}, self._where)
+        _install_redaction()
         self._user_agent = _user_agent()
         self._client = PerProcess(self._build_client)
+        self._warn_if_insecure(parts)
+
+    def _warn_if_insecure(self, parts: urllib.parse.SplitResult) -> None:
+        """Say so at start when this configuration exposes what it sends.
+
+        Loopback is exempt: plain HTTP to 127.0.0.1 (tests, a local sidecar)
+        never leaves the machine.
+        """
+        if parts.scheme == "https" and _verification_off(self._verify):
+            log.warning(
+                "webhook %s: TLS certificate verification is off (webhook_verify): anyone "
+                "who can intercept the connection can read and change every message; "
+                "trust a private CA with webhook_verify=/path/to/ca.pem instead",
+                self._where,
+            )
+        if parts.scheme != "http" or _is_loopback(parts.hostname or ""):
+            return
+        exposed = []
+        if parts.password:
+            exposed.append("the password in the URL")
+        if parts.query:
+            exposed.append("the URL's query string")
+        credentials = sorted(
+            name
+            for name in self._static_headers
+            if any(word in name.lower() for word in _CREDENTIAL_WORDS)
+        )
+        if credentials:
+            exposed.append(f"the configured header(s) {', '.join(credentials)} (webhook_headers)")
+        if self._key is not None:
+            exposed.append("signed requests (webhook_secret), which anyone on the path can replay")
+        if exposed:
+            log.warning(
+                "webhook %s: sending %s over plain http:// to a host that is not loopback; "
+                "anyone on the network path can read them. Use an https:// URL",
+                self._where,
+                "; ".join(exposed),
+            )
 
     # ------------------------------------------------------------- settings
     @property
@@ -177,6 +364,7 @@ class WebhookPublisher:
             "webhook_headers": "headers",
             "webhook_verify": "verify",
             "webhook_max_retry_after": "max_retry_after",
+            "webhook_forward_headers": "forward_headers",
         }
         kwargs = constructor_kwargs(
             options, overrides, names, split_budget(options, last="read_timeout")
@@ -211,6 +399,7 @@ class WebhookPublisher:
             ),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
             verify=self._verify,
+            auth=self._auth,
             follow_redirects=False,
             trust_env=self._trust_env,
         )
@@ -238,11 +427,13 @@ class WebhookPublisher:
         """Every header of the request for ``message`` (signature included when configured)."""
         headers: dict[str, str] = {}
         for name, value in (message.headers or {}).items():
+            # Only allowlisted names (which never include credentials or
+            # framing headers, see _forward_set).
             if (
                 isinstance(value, (str, int, float, bool))
+                and isinstance(name, str)
+                and name.lower() in self.forward_headers
                 and TOKEN.fullmatch(name)
-                and name.lower() not in _RESERVED
-                and not name.lower().startswith("outbox-")
             ):
                 headers[name] = header_value(str(value))
         headers.update(self._static_headers)
@@ -274,7 +465,7 @@ class WebhookPublisher:
         deadline = time.monotonic() + self.timeout_seconds
         client = self._client.get()
         try:
-            with client.stream("POST", self.url, content=body, headers=headers) as response:
+            with client.stream("POST", self._target, content=body, headers=headers) as response:
                 status = response.status_code
                 if 200 <= status < 300:
                     self._read(response, _DRAIN_BYTES, deadline)
@@ -293,7 +484,7 @@ class WebhookPublisher:
         except httpx.RemoteProtocolError as exc:
             raise RetryableError(
                 f"webhook {self._where}: the server closed the connection without a valid "
-                f"response ({scrub(str(exc), self.url)})"
+                f"response ({self._scrub(str(exc))})"
             ) from exc
         except httpx.HTTPError as exc:  # connect refused/reset, TLS, proxy ...
             raise RetryableError(f"webhook {self._where}: {self._error(exc)}") from exc
@@ -301,8 +492,11 @@ class WebhookPublisher:
 
     def _error(self, exc: BaseException) -> str:
         # The text ends up in last_error: an exception that quotes the URL
-        # it was given must not carry the URL's password there.
-        return f"{type(exc).__name__}: {scrub(str(exc), self.url)}"
+        # it was given must not carry the URL's password or token there.
+        return f"{type(exc).__name__}: {self._scrub(str(exc))}"
+
+    def _scrub(self, text: str) -> str:
+        return scrub(_REDACT.redact(text), self.url)
 
     def _read(self, response: httpx.Response, limit: int, deadline: float) -> bytes:
         """Up to ``limit`` bytes of the body, without overrunning the deadline.
