@@ -55,6 +55,7 @@ from .store import ops
 from .table import OutboxTable
 
 __all__ = [
+    "DEFAULT_ADDR",
     "DEFAULT_PORT",
     "EXACT_DONE_BELOW",
     "MULTIPROC_ENV",
@@ -70,6 +71,11 @@ __all__ = [
 log = logging.getLogger("outbox_relay.metrics")
 
 DEFAULT_PORT = 9808
+# Loopback unless told otherwise: /metrics names event types and queue
+# depths, and nothing authenticates a scrape. Opening it to other hosts
+# (addr="0.0.0.0", `outbox-relay metrics --addr 0.0.0.0`) is a decision to
+# make knowingly, behind a firewall or a network policy.
+DEFAULT_ADDR = "127.0.0.1"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Below this many rows (by the planner's estimate) done rows are counted exactly.
 EXACT_DONE_BELOW = 100_000
@@ -348,11 +354,14 @@ def serve(
     dsn: str | None,
     table: OutboxTable | str | None = None,
     registry: CollectorRegistry | None = None,
-    addr: str = "0.0.0.0",  # noqa: S104 - an exporter is scraped from other hosts
+    addr: str = DEFAULT_ADDR,
     multiprocess_dir: str | None = None,
     exact_done_below: int = EXACT_DONE_BELOW,
 ) -> MetricsServer:
     """Serve ``/metrics`` on ``addr:port`` in a daemon thread (port 0 picks a free one).
+
+    ``addr`` is loopback by default (``DEFAULT_ADDR``); pass ``"0.0.0.0"``
+    (or ``"::"``) for a Prometheus on another host.
 
     The database gauges come from ``dsn`` (none when ``dsn`` is ``None``), the
     worker counters from ``build_registry``'s choice of registry.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -227,3 +228,64 @@ def test_multiprocess_counters_from_forked_workers(
     assert value(samples, "outbox_lost_leases_total") == 0
     assert value(samples, "outbox_messages", status="done") == 6
     assert value(samples, "outbox_messages", status="dead") == 2
+
+
+# ---------------------------------------------------------------- where it listens
+def _other_local_address() -> str | None:
+    """An address of this machine that is not loopback, if it has one."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent (UDP, no write)
+        address = str(probe.getsockname()[0])
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.security
+def test_the_exporter_listens_on_loopback_by_default() -> None:
+    """/metrics is unauthenticated: other hosts reach it only when asked for."""
+    server = serve(0, dsn=None, registry=CollectorRegistry())
+    try:
+        assert server.httpd.server_address[0] == "127.0.0.1"
+        assert server.httpd.socket.getsockname()[0] == "127.0.0.1"
+        fetch(server.port)  # reachable on 127.0.0.1
+        other = _other_local_address()
+        if other is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((other, server.port), timeout=2).close()
+    finally:
+        server.close()
+    opened = serve(0, dsn=None, registry=CollectorRegistry(), addr="0.0.0.0")
+    try:
+        assert opened.httpd.socket.getsockname()[0] == "0.0.0.0"
+        fetch(opened.port)
+    finally:
+        opened.close()
+
+
+@pytest.mark.security
+def test_the_metrics_command_listens_on_loopback_unless_told(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    for extra, shown in (([], "127.0.0.1"), (["--addr", "0.0.0.0"], "0.0.0.0")):
+        exporter = subprocess.Popen(
+            [str(BIN / "outbox-relay"), "metrics", "--no-database", "--port", "0", *extra],
+            cwd=str(tmp_path),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert exporter.stdout is not None
+            first = exporter.stdout.readline()
+            found = re.search(r"serving http://([\d.]+):(\d+)/metrics", first)
+            assert found, first + (exporter.stderr.read() if exporter.poll() is not None else "")
+            assert found.group(1) == shown
+            fetch(int(found.group(2)))
+        finally:
+            exporter.terminate()
+            exporter.wait(10)

@@ -15,7 +15,14 @@ __all__ = ["metrics_command"]
 
 @click.command("metrics")
 @click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True)
-@click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")  # noqa: S104
+@click.option(
+    "--addr",
+    # metrics.DEFAULT_ADDR; not imported at the top (see prometheus_client below).
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on: loopback by default (nothing authenticates a scrape); "
+    "0.0.0.0 or :: for a Prometheus on another host.",
+)
 @click.option(
     "--database/--no-database",
     default=True,
@@ -52,7 +59,8 @@ def metrics_command(state: CliState, port: int, addr: str, database: bool, once:
     except OSError as exc:  # the port is taken, or the address is not ours
         raise click.ClickException(f"cannot listen on {addr}:{port}: {exc}") from None
     source = f"{table.qualified} at {mask_dsn(dsn)}" if dsn else "no database gauges"
-    click.echo(f"serving http://{addr}:{server.port}/metrics ({source})")
+    host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in a URL
+    click.echo(f"serving http://{host}:{server.port}/metrics ({source})")
     sys.stdout.flush()
     try:
         threading.Event().wait()
