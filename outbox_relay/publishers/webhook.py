@@ -155,22 +155,33 @@ class _RedactUrls(logging.Filter):
         super().__init__()
         self._lock = threading.Lock()
         self._forms: dict[str, str] = {}
+        # (form, redacted) pairs, longest form first so that a URL extending
+        # another is replaced whole. Replaced, never mutated: log records are
+        # filtered in any thread while publishers may be built in another.
+        self._pairs: tuple[tuple[str, str], ...] = ()
 
-    def register(self, forms: Iterable[str], safe: str) -> None:
+    def register(self, forms: Iterable[str]) -> None:
+        """Rewrite each of ``forms`` (spellings of one URL) to its ``redact_url``.
+
+        A form with nothing to hide is left out: rewriting it (``https://host/``
+        to ``https://host``) would mangle every longer URL that starts with it.
+        """
         with self._lock:
             for form in forms:
-                if form and form != safe:
+                safe = redact_url(form)
+                if safe != form:
                     self._forms[form] = safe
+            ordered = sorted(self._forms.items(), key=lambda pair: len(pair[0]), reverse=True)
+            self._pairs = tuple(ordered)
 
     def redact(self, text: str) -> str:
-        # Longest first: a URL that extends another is replaced whole.
-        for form in sorted(self._forms, key=len, reverse=True):
+        for form, safe in self._pairs:
             if form in text:
-                text = text.replace(form, self._forms[form])
+                text = text.replace(form, safe)
         return text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self._forms:
+        if not self._pairs:
             return True
         try:
             message = record.getMessage()
@@ -286,7 +297,7 @@ class WebhookPublisher:
             self._auth = httpx.BasicAuth(target.username, target.password)
             target = target.copy_with(username=None, password=None)
         self._target = target
-        _REDACT.register({url, str(target), str(httpx.URL(str(target)))}, self._where)
+        _REDACT.register({url, str(target)})
         _install_redaction()
         self._user_agent = _user_agent()
         self._client = PerProcess(self._build_client)
