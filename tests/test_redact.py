@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
-import pytest
-from psycopg.conninfo import conninfo_to_dict
+import string
+import urllib.parse
 
-from outbox_relay._redact import MASK, mask_dsn, redact_url, scrub
+import pytest
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from outbox_relay._redact import (
+    MASK,
+    Secret,
+    mask_dsn,
+    mask_spec,
+    password_is_unambiguous,
+    redact_url,
+    scrub,
+)
+
+# Passwords as people and secret managers make them: base64 (/ + =), URL
+# delimiters left unencoded (# ? / @ : &), quotes, backslashes, spaces and
+# non-ASCII letters.
+PASSWORD_CHARS = string.ascii_letters + string.digits + "#?/@:&=+%!$*'\"\\ ;,.-_~éü"
+passwords = st.text(alphabet=PASSWORD_CHARS, min_size=4, max_size=40)
+URL_HEAD = "postgresql://app:"
+URL_TAIL = "@db.example.com:5432/shop?sslmode=require"
 
 
 def test_mask_dsn_in_url_form_keeps_everything_but_the_password() -> None:
@@ -77,3 +98,135 @@ def test_scrub_takes_a_known_password_out_of_an_error_message() -> None:
     assert scrub("no p4ss here? p4ss", "host=db password=p4ss") == "no **** here? ****"
     assert scrub("as is", None) == "as is"
     assert scrub("as is", "postgresql://app@db/x") == "as is"
+
+
+# ------------------------------------------------------------ property tests
+@given(password=passwords)
+@example(password="se@cret99")
+@example(password="a/b?c#d")
+@example(password="pw@db.example.com:5432/shop")
+@example(password="a:b:c")
+def test_mask_dsn_hides_any_password_written_raw_in_a_url(password: str) -> None:
+    # Written as is, unencoded: libpq would misread some of these, but a
+    # person pasting a password does this, and it must not be printed.
+    assume(password not in URL_HEAD + URL_TAIL)
+    masked = mask_dsn(f"{URL_HEAD}{password}{URL_TAIL}")
+    assert password not in masked
+    # The rest survives as written: the reader can tell which database.
+    assert masked == f"{URL_HEAD}{MASK}{URL_TAIL}"
+
+
+@given(password=passwords)
+def test_mask_dsn_hides_any_percent_encoded_password(password: str) -> None:
+    encoded = urllib.parse.quote(password, safe="")
+    assume(password not in URL_HEAD + URL_TAIL and encoded not in URL_HEAD + URL_TAIL)
+    dsn = f"{URL_HEAD}{encoded}{URL_TAIL}"
+    # libpq reads it back whole: the DSN is a correct one.
+    assert conninfo_to_dict(dsn)["password"] == password
+    assert password_is_unambiguous(dsn)
+    masked = mask_dsn(dsn)
+    assert password not in masked and encoded not in masked
+    assert masked == f"{URL_HEAD}{MASK}{URL_TAIL}"
+
+
+@given(password=passwords, encode=st.booleans())
+def test_mask_dsn_hides_a_password_query_parameter(password: str, encode: bool) -> None:
+    value = urllib.parse.quote(password, safe="") if encode else password
+    # A raw "&name=" would start the next parameter for anyone, libpq included.
+    assume(encode or "&" not in password)
+    head = "postgresql://db.example.com:5432/shop?sslmode=require&password="
+    tail = "&application_name=relay"
+    assume(password not in head + tail and value not in head + tail)
+    masked = mask_dsn(f"{head}{value}{tail}")
+    assert password not in masked and value not in masked
+    if "@" in value:
+        # A raw "@" reads as the end of credentials (the widest reading):
+        # more is masked than the password, the host still shows.
+        assert masked.startswith("postgresql://db.example.com:****@")
+    else:
+        assert masked == f"{head}{MASK}{tail}"
+
+
+@given(password=passwords)
+@example(password="a b")
+@example(password="it's")
+@example(password="back\\slash")
+def test_mask_dsn_hides_any_password_in_key_value_form(password: str) -> None:
+    # make_conninfo quotes and escapes as libpq wants (password='a b').
+    dsn = make_conninfo("", host="db.example.com", dbname="shop", password=password)
+    masked = mask_dsn(dsn)
+    assume(password not in make_conninfo("", host="db.example.com", dbname="shop", password=MASK))
+    assert password not in masked
+    assert conninfo_to_dict(masked) == {
+        "host": "db.example.com",
+        "dbname": "shop",
+        "password": MASK,
+    }
+
+
+@given(password=passwords)
+def test_redact_url_hides_any_password_of_a_broker_or_webhook_url(password: str) -> None:
+    head, tail = "amqp://relay:", "@rabbit.example.com:5672/vhost?heartbeat=10"
+    assume(password not in head + tail)
+    shown = redact_url(f"{head}{password}{tail}")
+    assert password not in shown
+    assert shown == f"{head}{MASK}@rabbit.example.com:5672/vhost"
+
+
+@given(password=passwords)
+def test_scrub_leaves_no_piece_of_the_password_a_driver_quoted(password: str) -> None:
+    dsn = f"{URL_HEAD}{password}{URL_TAIL}"
+    assume(password not in URL_HEAD + URL_TAIL)
+    # A driver that stops the password at its first "@" or "/" quotes the
+    # rest as a host; one that decodes quotes it decoded.
+    cut = min((i for i in (password.find("@"), password.find("/")) if i >= 0), default=-1)
+    quoted = password[cut + 1 :] if cut >= 0 else password
+    text = f"failed to resolve host '{quoted}@db.example.com': error; password {password!r}"
+    scrubbed = scrub(text, dsn)
+    assert password not in scrubbed
+    if len(quoted) >= 3 and not any(c in quoted for c in " '\"\\@:/=?#&,;"):
+        assert quoted not in scrubbed
+
+
+def test_password_is_unambiguous_only_where_libpq_reads_what_was_written() -> None:
+    assert password_is_unambiguous("postgresql://u:pw@db/x")
+    assert password_is_unambiguous("postgresql://u:se%40cret@db/x")
+    assert password_is_unambiguous("host=db password='a b'")
+    assert password_is_unambiguous("postgresql://db/x")
+    # libpq: password "se", host "cret99@127.0.0.1".
+    assert not password_is_unambiguous("postgresql://u:se@cret99@127.0.0.1/db")
+    # libpq: host "u", port "ab", no password at all.
+    assert not password_is_unambiguous("postgresql://u:ab/cd@h/db")
+    assert not password_is_unambiguous("host=db password='unterminated")
+
+
+@pytest.mark.parametrize(
+    ("spec", "shown"),
+    [
+        ("amqp//guest:S3cret@rabbit//", "amqp//****@rabbit//"),
+        ("amqp:/guest:S3cret@rabbit//", "amqp:/****@rabbit//"),
+        ("guest:S3cret@rabbit", "guest:****@rabbit"),
+        ("S3cret@rabbit", "****@rabbit"),
+        (
+            "https://u:S3cret@hooks.example.com/in?token=T0ken",
+            "https://u:****@hooks.example.com/in",
+        ),
+        ("shop.events:publish", "shop.events:publish"),
+        ("celery:billing.charge", "celery:billing.charge"),
+    ],
+)
+def test_mask_spec_masks_what_may_be_a_password_in_a_publisher_setting(
+    spec: str, shown: str
+) -> None:
+    assert mask_spec(spec) == shown
+
+
+def test_secret_prints_only_its_masked_form() -> None:
+    secret = Secret("postgresql://u:S3cret@db/x", "postgresql://u:****@db/x")
+    assert repr(secret) == "'postgresql://u:****@db/x'"
+    assert str(secret) == "postgresql://u:****@db/x"
+    assert f"{secret}" == "postgresql://u:****@db/x"
+    assert secret.get_secret_value() == "postgresql://u:S3cret@db/x"
+    headers = Secret({"Authorization": "Bearer S3cret"}, {"Authorization": MASK})
+    assert "S3cret" not in repr(headers) and "S3cret" not in str(headers)
+    assert Secret(secret).get_secret_value() == secret.get_secret_value()
