@@ -126,7 +126,8 @@ def _tls_options(scheme: str, url: str, given: Mapping[str, Any] | None) -> dict
             return None
         if "ssl" in parse_url(url):  # ?ssl_cert_reqs=... in the URL: kombu applies it
             return None
-        return {"ssl_cert_reqs": CERT_REQUIRED, **(given or {})}
+        # ssl_check_hostname explicitly: redis-py before 6 defaulted it to False.
+        return {"ssl_cert_reqs": CERT_REQUIRED, "ssl_check_hostname": True, **(given or {})}
     if scheme != "amqps" and not given:
         return None
     return {"cert_reqs": CERT_REQUIRED, "server_hostname": None, **(given or {})}
