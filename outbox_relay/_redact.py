@@ -74,19 +74,38 @@ _TOKEN = re.compile(r"[^\s'\"`@:/=?#&,;()\[\]{}<>]+")
 _MIN_FRAGMENT = 3
 
 
-def _credentials(rest: str) -> tuple[str, str, str] | None:
-    """``(user, password, "@" + the rest)`` of what follows ``scheme://``, or None.
+def _password_span(rest: str) -> tuple[int, int] | None:
+    """Where the user-info password lies in what follows ``scheme://``, or None.
 
     The credentials end at the *last* ``@`` (see the module docstring); the
     user ends at the first ``:``. An empty password hides nothing.
     """
     at = rest.rfind("@")
-    if at < 0:
+    colon = rest.find(":", 0, at) if at >= 0 else -1
+    if colon < 0 or colon + 1 == at:
         return None
-    user, colon, password = rest[:at].partition(":")
-    if not colon or not password:
+    return colon + 1, at
+
+
+def _credentials(rest: str) -> tuple[str, str, str] | None:
+    """``(user, password, "@" + the rest)`` of what follows ``scheme://``, or None."""
+    span = _password_span(rest)
+    if span is None:
         return None
-    return user, password, rest[at:]
+    return rest[: span[0] - 1], rest[span[0] : span[1]], rest[span[1] :]
+
+
+def _masked(text: str, spans: list[tuple[int, int]]) -> str:
+    """``text`` with each span, overlapping or touching ones merged, replaced by ``****``."""
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    for start, end in reversed(merged):
+        text = text[:start] + MASK + text[end:]
+    return text
 
 
 def _mask_password_params(text: str) -> str:
@@ -103,10 +122,14 @@ def mask_dsn(dsn: str) -> str:
     form = _URL_FORM.match(dsn)
     if form:
         head, rest = dsn[: form.end()], dsn[form.end() :]
-        found = _credentials(rest)
-        if found:
-            rest = f"{found[0]}:{MASK}{found[2]}"
-        return head + _mask_password_params(rest)
+        # Both readings at once, on the text as written: a raw "@" inside a
+        # password= parameter would otherwise end the "credentials" and leave
+        # the rest of that value showing as a host.
+        spans = [m.span(2) for m in _PASSWORD_PARAM.finditer(rest) if m.group(2)]
+        password = _password_span(rest)
+        if password:
+            spans.append(password)
+        return head + _masked(rest, spans)
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
@@ -127,15 +150,18 @@ def redact_url(url: str) -> str:
     """
     form = _URL_FORM.match(url)
     head, rest = (url[: form.end()], url[form.end() :]) if form else ("", url)
-    found = _credentials(rest)
-    if found:
-        user, _, tail = found
-        # The query starts after the credentials: a "?" before the "@" is
-        # part of the password, and masked with it.
-        cut = _QUERY_START.search(tail)
-        return f"{head}{user}:{MASK}{tail[: cut.start()] if cut else tail}"
-    cut = _QUERY_START.search(rest)
-    return head + (rest[: cut.start()] if cut else rest)
+    password = _password_span(rest)
+    query = _QUERY_START.search(rest)
+    cut = query.start() if query else len(rest)
+    if password is None or cut < password[0]:
+        # No password, or one inside the query (dropped with it).
+        return head + rest[:cut]
+    start, end = password
+    if cut < end:
+        # A "?" or "#" inside what may be the password: the query may start
+        # there as well, so nothing after it is shown.
+        return head + rest[:start] + MASK
+    return head + rest[:start] + MASK + rest[end:cut]
 
 
 def _spec_credentials(spec: str) -> tuple[str, str, str] | None:

@@ -215,9 +215,11 @@ class Installation:
             with psycopg.connect(dsn, **kwargs) as conn:
                 exists = store.table_exists(conn, table=table)
                 missing = store.missing_migrations(conn, table=table) if exists else []
-        except psycopg.Error as exc:
+        except (psycopg.Error, ValueError, OSError) as exc:
             # libpq's text may quote the DSN, or pieces of its password read
-            # as a host: connect_error scrubs it, or withholds it.
+            # as a host: connect_error scrubs it, or withholds it. (psycopg
+            # resolves host names itself, and a "host" made of a password's
+            # tail can fail there with a UnicodeError, not a psycopg.Error.)
             raise ConfigError(
                 f"cannot connect to OUTBOX_DSN ({mask_dsn(dsn)}): {connect_error(exc, dsn)}"
             ) from None

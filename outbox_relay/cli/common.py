@@ -170,7 +170,9 @@ class CliState:
             conn = psycopg.connect(
                 dsn, autocommit=True, connect_timeout=10, application_name="outbox-relay-cli"
             )
-        except psycopg.Error as exc:
+        except (psycopg.Error, ValueError, OSError) as exc:
+            # ValueError: psycopg resolves host names itself, and a bad one
+            # (a password's tail read as a host) fails with a UnicodeError.
             raise click.ClickException(
                 f"cannot connect to {mask_dsn(dsn)}: {connect_error(exc, dsn)}"
             ) from None
