@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-store lint typecheck demo bench clean
+.PHONY: venv test test-store lint typecheck demo bench model clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ demo: venv
 bench: venv
 	$(BIN)/pip install --quiet -e ".[dev,bench]"
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+# The protocol model (model/relay.pml) checked with Spin, about a minute;
+# needs spin and gcc (apt-get install -y spin gcc). See docs/model.md.
+# More: make model MODEL_ARGS=--full (the wider sizes, about 10 minutes).
+model:
+	model/check.sh $(MODEL_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

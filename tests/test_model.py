@@ -1,0 +1,100 @@
+"""The protocol model (model/relay.pml) checked with Spin, through model/check.sh.
+
+The correct model must pass its safety assertions and its liveness claim
+under weak fairness; the FREEZE_BUG variant (rescue only inside a claim that
+is skipped at the cap) must fail liveness with an acceptance cycle, which
+shows the checker can find the freeze the relay once had. docs/model.md
+explains the model and the figures.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+CHECK = Path(__file__).resolve().parent.parent / "model" / "check.sh"
+
+if shutil.which("spin") is None:
+    pytest.skip(
+        "spin is not installed (apt-get install -y spin gcc); CI installs it",
+        allow_module_level=True,
+    )
+
+
+def pan(mode: str, *defines: str) -> str:
+    """One check's pan output: ``mode`` is safety or liveness."""
+    done = subprocess.run(
+        ["bash", str(CHECK), "run", mode, *defines],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    return output
+
+
+def errors(output: str) -> int:
+    found = re.findall(r"errors: (\d+)", output)
+    assert found, f"no pan summary in the output:\n{output}"
+    return int(found[-1])
+
+
+def complete(output: str) -> None:
+    assert "max search depth too small" not in output, output
+    assert "Full statespace search" in output, output
+
+
+def test_the_model_is_safe() -> None:
+    out = pan("safety")
+    complete(out)
+    assert errors(out) == 0, out
+    assert "assertion violations\t+" in out
+    assert "Search not completed" not in out
+
+
+def test_every_row_ends_done_or_dead_under_weak_fairness() -> None:
+    out = pan("liveness")
+    complete(out)
+    assert "acceptance   cycles \t+ (fairness enabled)" in out, out
+    assert errors(out) == 0, out
+    assert "acceptance cycle" not in out.replace("acceptance   cycles", "")
+
+
+def test_the_historical_freeze_fails_liveness() -> None:
+    out = pan("liveness", "-DFREEZE_BUG")
+    assert "acceptance cycle" in out.replace("acceptance   cycles", ""), out
+    assert errors(out) == 1, out
+
+
+def test_the_historical_freeze_is_not_a_safety_bug() -> None:
+    out = pan("safety", "-DFREEZE_BUG")
+    complete(out)
+    assert errors(out) == 0, out
+
+
+@pytest.mark.parametrize(
+    ("define", "violated"),
+    [
+        # The fence without its lease test lets a stale write through.
+        ("-DWEAK_FENCE", "assertion violated  !(ended[r])"),
+        # Duplicated delivery tasks each count an attempt (docs/model.md).
+        ("-DSTRICT_ATTEMPTS", "assertion violated (att[r]<="),
+    ],
+)
+def test_the_checker_finds_known_violations(define: str, violated: str) -> None:
+    out = pan("safety", define)
+    assert violated in out, out
+    assert errors(out) == 1, out
+
+
+def test_check_sh_runs_every_check_with_the_expected_result() -> None:
+    done = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every check gave the expected result" in done.stdout
