@@ -1,9 +1,12 @@
-"""A TCP proxy that can go silent: what a client sees when a host vanishes.
+"""A TCP proxy that can go silent or go down: what a client sees when a host
+vanishes or a service stops.
 
 ``silence()`` makes every connection open at that moment swallow bytes in
 both directions, with no FIN and no RST (the kernel still acknowledges them,
-so only a client-side deadline notices), while new connections pass. The
-target is a TCP address or a Unix socket (the embedded PostgreSQL's).
+so only a client-side deadline notices), while new connections pass.
+``cut()`` resets every open connection and refuses new ones (accepted and
+reset at once) until ``restore()``: a service that is down. The target is a
+TCP address or a Unix socket (the embedded PostgreSQL's).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -37,7 +41,21 @@ class SilencingProxy:
         self._silenced: set[int] = set()
         self._generation = 0
         self._stop = threading.Event()
+        self._down = False
+        self._open: set[socket.socket] = set()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        """Reset every open connection; refuse new ones until ``restore()``."""
+        with self._lock:
+            self._down = True
+            victims, self._open = list(self._open), set()
+        for sock in victims:
+            _reset(sock)
+
+    def restore(self) -> None:
+        with self._lock:
+            self._down = False
 
     def silence(self) -> None:
         """From now on, connections open at this moment forward nothing."""
@@ -63,9 +81,19 @@ class SilencingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = self._connect()
+            with self._lock:
+                down = self._down
+            if down:
+                _reset(client)
+                continue
+            try:
+                upstream = self._connect()
+            except OSError:
+                _reset(client)
+                continue
             with self._lock:
                 generation = self._generation
+                self._open.update((client, upstream))
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b, generation), daemon=True).start()
 
@@ -87,3 +115,18 @@ class SilencingProxy:
                 sink.sendall(data)
             except OSError:
                 return
+
+
+def _reset(sock: socket.socket) -> None:
+    """Drop a connection as a stopping service does.
+
+    Linger 0 makes the close an RST; the shutdown first wakes the pump
+    thread blocked in ``recv`` on it (a bare close from another thread
+    would not), so the socket is really released.
+    """
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()

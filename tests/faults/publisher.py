@@ -1,0 +1,110 @@
+"""The relay's end of the fault suite: the real webhook publisher, with a call log.
+
+``OUTBOX_PUBLISHER=tests.faults.publisher:publish`` in the workers. Each call
+is written to ``calls`` (row id, attempt, lease version, pid) before the
+webhook request and given its outcome after it (``ok`` or the error's class),
+so the ledger can tell *why* the receiver saw a message twice: the earlier
+call's response was lost (it ended in an error although the receiver applied
+it), or the earlier lease was lost after a successful call (its worker was
+killed or frozen, or its finalize failed), which the next lease's higher
+version shows. A call with no outcome is one whose process died in it.
+
+A message whose payload has ``"poison": true`` kills its worker process
+(``os._exit``) every time it is published, as a segfaulting C extension or
+the OOM killer would.
+
+Configured from the environment (outside ``OUTBOX_*``, which the relay
+checks): ``FAULT_WEBHOOK_URL`` (the receiver) and ``FAULT_DSN`` (the test
+database, for the call log).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import psycopg
+
+from outbox_relay import Message
+from outbox_relay.publishers import WebhookPublisher
+
+DDL = """
+CREATE TABLE IF NOT EXISTS calls (
+    seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id    bigint      NOT NULL,
+    attempt       integer     NOT NULL,
+    lease_version bigint      NOT NULL,
+    pid           integer     NOT NULL,
+    outcome       text,
+    at            timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+# Short request timeouts: the fault scenarios run with short leases.
+CONNECT_TIMEOUT = 1.0
+READ_TIMEOUT = 1.5
+
+_local = threading.local()
+_webhook: dict[int, WebhookPublisher] = {}
+_lock = threading.Lock()
+
+
+def _connection() -> psycopg.Connection[Any]:
+    conn = getattr(_local, "conn", None)
+    if conn is None or conn.closed or getattr(_local, "pid", None) != os.getpid():
+        conn = psycopg.connect(
+            os.environ["FAULT_DSN"],
+            autocommit=True,
+            connect_timeout=5,
+            options="-c synchronous_commit=off",  # evidence, not the state under test
+        )
+        _local.conn, _local.pid = conn, os.getpid()
+    return conn
+
+
+def _publisher() -> WebhookPublisher:
+    with _lock:
+        found = _webhook.get(os.getpid())
+        if found is None:
+            found = WebhookPublisher(
+                os.environ["FAULT_WEBHOOK_URL"],
+                connect_timeout=CONNECT_TIMEOUT,
+                read_timeout=READ_TIMEOUT,
+            )
+            _webhook[os.getpid()] = found
+        return found
+
+
+def _log(sql: str, params: tuple[Any, ...]) -> Any:
+    # The call log lives on the database under test; when that database is
+    # the fault, the log is best effort (the ledger treats a missing entry
+    # as "no evidence", never as an explanation).
+    try:
+        return _connection().execute(sql, params).fetchone()
+    except psycopg.Error:
+        _local.conn = None
+        return None
+
+
+def publish(message: Message) -> None:
+    row = _log(
+        "INSERT INTO calls (message_id, attempt, lease_version, pid) VALUES (%s, %s, %s, %s)"
+        " RETURNING seq",
+        (message.id, message.attempts, message.lease_version, os.getpid()),
+    )
+    if isinstance(message.payload, dict) and message.payload.get("poison"):
+        os._exit(70)
+    outcome = "ok"
+    try:
+        _publisher()(message)
+    except BaseException as exc:
+        outcome = type(exc).__name__
+        raise
+    finally:
+        if row is not None:
+            _log("UPDATE calls SET outcome = %s WHERE seq = %s RETURNING seq", (outcome, row[0]))
+
+
+# What the relay's start-up check reads: the worst case of one call.
+publish.timeout_seconds = CONNECT_TIMEOUT + READ_TIMEOUT + 1.0  # type: ignore[attr-defined]

@@ -1,0 +1,93 @@
+"""The broker loses its queues, restarts empty, or is down while work is committed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ..tcp_proxy import SilencingProxy
+from .harness import LEASE_LOST, Run
+from .servers import OwnedRedis
+
+pytestmark = [pytest.mark.faults, pytest.mark.celery]
+
+
+def test_redis_flushall_mid_run(
+    dsn: str, fresh_database: str, tmp_path: Path, owned_redis: OwnedRedis
+) -> None:
+    """Every queued delivery task vanishes, twice: the leases lapse and the
+    rescuer gives the rows back; nothing waits on the broker's memory."""
+    run = Run("flushall", dsn, fresh_database, tmp_path, broker=owned_redis.url)
+    try:
+        run.workers(1)
+        run.beat()
+        run.enqueue(800)
+        for _ in range(2):
+            time.sleep(3)
+            owned_redis.flushall()
+        run.faults.append("Redis FLUSHALL twice while tasks were queued")
+        run.wait_finished(120)
+        run.ledger(allow={LEASE_LOST})
+    finally:
+        run.close()
+
+
+def test_redis_restarted_empty_and_down_at_commit_time(
+    dsn: str, fresh_database: str, tmp_path: Path, owned_redis: OwnedRedis
+) -> None:
+    """The broker dies (SIGKILL, no persistence), business transactions go on
+    committing while it is down, and it comes back empty 8 s later."""
+    run = Run("redis-restart", dsn, fresh_database, tmp_path, broker=owned_redis.url)
+    try:
+        run.workers(1)
+        run.beat()
+        run.enqueue(400)
+        time.sleep(2)
+        owned_redis.stop()
+        run.enqueue(400)  # committed with no broker at all: the outbox's whole point
+        time.sleep(8)
+        owned_redis.start()
+        run.faults.append(
+            "Redis SIGKILLed mid-run, 400 messages committed while down, back empty after 8 s"
+        )
+        run.wait_finished(150)
+        run.ledger(allow={LEASE_LOST})
+    finally:
+        run.close()
+
+
+def test_rabbitmq_unreachable_for_a_while(dsn: str, fresh_database: str, tmp_path: Path) -> None:
+    """RabbitMQ as the Celery broker, behind a proxy that drops every connection
+    and refuses new ones for 10 s (a broker node that is down), then passes again."""
+    from .. import services
+
+    amqp = services.amqp_url()
+    if amqp is None:
+        pytest.skip("no RabbitMQ: set OUTBOX_TEST_AMQP_URL or run a Docker engine")
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(amqp)
+    proxy = SilencingProxy(target=(parts.hostname or "127.0.0.1", parts.port or 5672))
+    proxied = parts._replace(
+        netloc=f"{parts.username}:{parts.password}@127.0.0.1:{proxy.port}"
+    ).geturl()
+    run = Run("rabbitmq-down", dsn, fresh_database, tmp_path, broker=proxied)
+    try:
+        run.workers(1)
+        run.beat()
+        run.enqueue(400)
+        time.sleep(2)
+        proxy.cut()
+        run.enqueue(300)
+        time.sleep(10)
+        proxy.restore()
+        run.faults.append(
+            "RabbitMQ connections reset and refused for 10 s; 300 messages committed meanwhile"
+        )
+        run.wait_finished(150)
+        run.ledger(allow={LEASE_LOST})
+    finally:
+        run.close()
+        proxy.close()
