@@ -289,6 +289,8 @@ def test_grant_prints_quoted_statements() -> None:
     assert "GRANT UPDATE (status, available_at, attempts, lease_owner, lease_until," in relay
     assert "UPDATE ON TABLE" not in relay
     assert 'GRANT SELECT ON TABLE "public"."outbox_migrations" TO "relay";' in relay
+    operator = ok(cli("grant", "--role", "ops", "--kind", "operator"))
+    assert 'TO "ops"' in operator and "GRANT INSERT" not in operator, operator
     assert cli("grant", "--role", "x", "--kind", "admin").exit_code == 2
     assert cli("--table", "bad-name", "grant", "--role", "x", "--kind", "relay").exit_code == 2
 
