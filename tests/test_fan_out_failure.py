@@ -47,3 +47,17 @@ def test_unreachable_broker_releases_the_claimed_rows(dsn: str) -> None:
     ] * 5
     assert all("fan-out to the broker failed" in error for *_, error in rows)
     inst.close()
+
+
+def test_rows_attempted_before_are_delivered_alone() -> None:
+    """A poison message (its worker dies each time) must not take its chunk
+    with it: rows already attempted go in their own delivery task."""
+    from outbox_relay.celery.fanout import chunked
+    from outbox_relay.model import Claimed
+
+    def row(i: int, attempts: int) -> Claimed:
+        return Claimed(i, 1, attempts, "order", str(i), "order.created", {})
+
+    claimed = [row(1, 0), row(2, 1), row(3, 0), row(4, 0), row(5, 2), row(6, 0)]
+    assert [[c.id for c in part] for part in chunked(claimed, 2)] == [[2], [1, 3], [5], [4, 6]]
+    assert [[c.id for c in part] for part in chunked(claimed, 1)] == [[i] for i in range(1, 7)]

@@ -21,7 +21,7 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
 from .options import time_limits
 
-__all__ = ["argsrepr", "fan_out", "release"]
+__all__ = ["argsrepr", "chunked", "fan_out", "release"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -42,6 +42,30 @@ def release(db: Database, settings: Settings, claimed: Sequence[Claimed], reason
         db.run(lambda conn: finalize(conn, outcomes, table=settings.outbox_table))
     except Exception:
         log.exception("could not release %d claimed rows; their leases will expire", len(claimed))
+
+
+def chunked(claimed: Sequence[Claimed], size: int) -> list[list[Claimed]]:
+    """Split a claim into delivery tasks of up to ``size`` rows, in claim order.
+
+    A row that was attempted before (a publish failed, or its worker died
+    mid-delivery) goes alone: a poison message that kills the process
+    publishing it would otherwise take its whole chunk with it every time,
+    and its innocent neighbours, whose attempts are counted with the
+    chunk's, would reach the attempt limit beside it.
+    """
+    chunks: list[list[Claimed]] = []
+    current: list[Claimed] = []
+    for row in claimed:
+        if row.attempts > 0 and size > 1:
+            chunks.append([row])
+            continue
+        current.append(row)
+        if len(current) == size:
+            chunks.append(current)
+            current = []
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def _batched(producer: Any) -> AbstractContextManager[Any]:
@@ -74,7 +98,7 @@ def fan_out(
     one round at a time (self-pacing, whatever the workers' speed).
     """
     size = settings.chunk_size
-    chunks = [claimed[i : i + size] for i in range(0, len(claimed), size)]
+    chunks = chunked(claimed, size)
     halfway = len(chunks) // 2
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
@@ -94,7 +118,7 @@ def fan_out(
                     options["time_limit"] = hard_limit
                 if "soft_time_limit" not in annotated:
                     options["soft_time_limit"] = soft_limit
-                if size == 1:
+                if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
                 else:
                     pairs = [[r.id, r.lease_version] for r in refs]
