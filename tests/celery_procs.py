@@ -80,12 +80,21 @@ class CeleryProcs:
         self.procs: list[Proc] = []
         self._n = 0
 
-    def _start(self, name: str, args: list[str], env: Mapping[str, str] | None) -> Proc:
+    def _start(
+        self,
+        name: str,
+        args: list[str],
+        env: Mapping[str, str] | None,
+        netns: str | None = None,
+    ) -> Proc:
         self._n += 1
         log = self.folder / f"{self._n:02d}-{name}.log"
         handle = log.open("wb")
         popen = subprocess.Popen(
-            [*CELERY, "-A", self.app, *args],
+            # In a network namespace of its own: a host of its own, as far
+            # as the network goes (``ip netns exec`` execs, so the pid and
+            # process group are the worker's).
+            [*(["ip", "netns", "exec", netns] if netns else []), *CELERY, "-A", self.app, *args],
             cwd=str(self.folder),
             env={**self.env, **(env or {})},
             stdout=handle,
@@ -107,6 +116,7 @@ class CeleryProcs:
         args: tuple[str, ...] = (),
         ready: bool = True,
         events: bool = True,
+        netns: str | None = None,
     ) -> Proc:
         name = f"w{self._n + 1}"
         proc = self._start(
@@ -127,17 +137,19 @@ class CeleryProcs:
                 *args,
             ],
             env,
+            netns,
         )
         if ready:
             proc.wait_ready()
         return proc
 
-    def beat(self, *, env: Mapping[str, str] | None = None) -> Proc:
+    def beat(self, *, env: Mapping[str, str] | None = None, netns: str | None = None) -> Proc:
         n = self._n + 1
         return self._start(
             f"beat{n}",
             ["beat", "-l", "info", "-s", str(self.folder / f"beat-{n}-schedule")],
             env,
+            netns,
         )
 
     def stop_all(self) -> None:

@@ -22,9 +22,17 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 
 class SilencingProxy:
-    def __init__(self, dsn: str | None = None, *, target: tuple[str, int] | None = None) -> None:
-        """In front of a PostgreSQL ``dsn`` (``.dsn`` is the proxied one) or a TCP ``target``."""
-        self._listener = socket.create_server(("127.0.0.1", 0))
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        target: tuple[str, int] | None = None,
+        listen: str = "127.0.0.1",
+    ) -> None:
+        """In front of a PostgreSQL ``dsn`` (``.dsn`` is the proxied one) or a TCP
+        ``target``, listening on ``listen`` (another address: for other network
+        namespaces)."""
+        self._listener = socket.create_server((listen, 0))
         self.port = self._listener.getsockname()[1]
         self.dsn = ""
         if dsn is not None:
@@ -33,7 +41,7 @@ class SilencingProxy:
             port = int(params.get("port") or 5432)
             unix = host.startswith("/")
             self._target: Any = os.path.join(host, f".s.PGSQL.{port}") if unix else (host, port)
-            self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port)
+            self.dsn = make_conninfo(dsn, host=listen, port=self.port)
         else:
             assert target is not None
             self._target = target

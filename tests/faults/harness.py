@@ -46,6 +46,9 @@ from . import publisher
 from .receiver import Receiver
 
 LOST_RESPONSE = "lost response"
+# The test's own sessions (producers, samplers): faults that terminate the
+# relay's database sessions spare these.
+TEST_SESSION = "fault-test"
 LEASE_LOST = "lease lost after publish"
 
 # Relay settings for the scenarios: short leases and ticks so a fault costs
@@ -95,6 +98,7 @@ class Run:
         broker: str,
         env: Mapping[str, str] | None = None,
         relay_dsn: str | None = None,
+        receiver_bind: str = "127.0.0.1",
     ) -> None:
         """``dsn``: the outbox's database (migrated); ``receiver_dsn``: another
         database, for the receiver's inbox and effects and the call log, so a
@@ -103,7 +107,7 @@ class Run:
         self.name = name
         self.dsn = dsn
         self.receiver_dsn = receiver_dsn
-        self.receiver = Receiver(receiver_dsn)
+        self.receiver = Receiver(receiver_dsn, bind=receiver_bind)
         with psycopg.connect(receiver_dsn, autocommit=True) as conn:
             conn.execute(publisher.DDL)
         self.env = {
@@ -178,7 +182,7 @@ class Run:
 
         def produce(start: int) -> None:
             try:
-                with psycopg.connect(self.dsn) as conn:
+                with psycopg.connect(self.dsn, application_name=TEST_SESSION) as conn:
                     mine = list(range(start, n, threads))
                     for at in range(0, len(mine), per_transaction):
                         with conn.transaction():

@@ -144,7 +144,7 @@ class _Server(ThreadingHTTPServer):
 class Receiver:
     """Serves ``url`` from a thread of the test process until ``close()``."""
 
-    def __init__(self, dsn: str, *, port: int = 0) -> None:
+    def __init__(self, dsn: str, *, port: int = 0, bind: str = "127.0.0.1") -> None:
         self.dsn = dsn
         self.behaviour = Behaviour()
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -164,11 +164,16 @@ class Receiver:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.port = port
+        self.bind = bind
         self.up()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}{PATH}"
+        return self.url_at("127.0.0.1")
+
+    def url_at(self, host: str) -> str:
+        """The URL as seen from a host that reaches this one at ``host``."""
+        return f"http://{host}:{self.port}{PATH}"
 
     def apply(self, message_id: int, key: str) -> bool:
         with (
@@ -198,7 +203,7 @@ class Receiver:
     def up(self) -> None:
         if self._server is not None:
             return
-        server = _Server(("127.0.0.1", self.port), _Handler)
+        server = _Server((self.bind, self.port), _Handler)
         server.receiver = self
         self.port = server.server_address[1]
         self._server = server
