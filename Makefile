@@ -13,8 +13,14 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# The fault suite (tests/faults, docs/reliability.md) runs after the rest,
+# FAULT_JOBS scenarios at a time: they spend most of their time waiting out
+# leases and outages, each with its own database, broker and queue.
+FAULT_JOBS ?= 3
+
 test: venv
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not faults" $(PYTEST_ARGS)
+	$(BIN)/pytest -m faults -n $(FAULT_JOBS) $(PYTEST_ARGS)
 
 # The core store tests alone (CI also runs them against the embedded server).
 test-store: venv
@@ -27,6 +33,22 @@ lint: venv
 
 typecheck: venv
 	$(BIN)/mypy
+
+.PHONY: faults soak
+
+# Only the fault suite, with its ledgers printed as the table of docs/reliability.md.
+faults: venv
+	rm -f .faults.jsonl
+	OUTBOX_TEST_FAULTS_REPORT=$(CURDIR)/.faults.jsonl $(BIN)/pytest -m faults -n $(FAULT_JOBS) $(PYTEST_ARGS)
+	$(BIN)/python -m tests.faults.report .faults.jsonl
+
+# The soak alone, an hour by default (SOAK_SECONDS=...); draws docs/reliability-soak.png.
+SOAK_SECONDS ?= 3600
+soak: venv
+	$(BIN)/pip install --quiet -e ".[dev,soak]"
+	OUTBOX_TEST_SOAK_SECONDS=$(SOAK_SECONDS) OUTBOX_TEST_SOAK_CSV=$(CURDIR)/.soak.csv \
+	  $(BIN)/pytest tests/faults/test_soak.py --timeout=0 $(PYTEST_ARGS)
+	$(BIN)/python -m tests.faults.report --plot .soak.csv docs/reliability-soak.png
 
 # The whole relay end to end on this machine (~20 s): embedded PostgreSQL and
 # Redis from pip packages unless OUTBOX_DSN / CELERY_BROKER_URL are set.

@@ -342,6 +342,11 @@ class Run:
                 applied_at[message_id] = (attempt, verdict)
             elif verdict.endswith("duplicate"):
                 duplicates += 1
+                if message_id not in applied_at:
+                    unexplained.append(
+                        f"message {message_id}: a duplicate with no applied delivery"
+                    )
+                    continue
                 first_attempt, first_verdict = applied_at[message_id]
                 why = self._explain(
                     message_id, first_attempt, first_verdict, attempt, outcome_of, version_of

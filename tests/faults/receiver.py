@@ -1,9 +1,9 @@
 """The consumer end of the fault suite: a webhook receiver on loopback that
 applies every message through the inbox and keeps a log of every request.
 
-Each request is logged in ``deliveries`` on its own (autocommit) connection
-*before* anything else happens, so the log holds requests whose effect then
-rolled back or whose response never reached the relay. The effect itself is
+Each request is logged in ``deliveries`` with its verdict, on a connection of
+its own, before the answer is sent, so the log holds the requests whose
+answer never reached the relay too. The effect itself is
 one row in ``effects``, written in the same transaction as the inbox record
 (``outbox_relay.inbox.receive``): a repeat of a message already applied is
 answered 200 and logged as ``duplicate``, never applied twice. ``effects``
