@@ -29,12 +29,14 @@ task_default_queue = "outbox"
 # `celery report`, `celery inspect conf` and Flower print. (The relay masks
 # the outbox_* settings it knows to hold secrets, but a value that never
 # enters the Celery configuration cannot be printed from it.) Read
-# docs/configuration.md, "Secrets". A setting that holds no secret may live
-# here as outbox_<name>:
-outbox_lease_seconds = float(os.environ.get("OUTBOX_LEASE_SECONDS", "60"))
-outbox_publish_timeout_seconds = float(os.environ.get("OUTBOX_PUBLISH_TIMEOUT_SECONDS", "10"))
-outbox_claim_interval_seconds = float(os.environ.get("OUTBOX_CLAIM_INTERVAL_SECONDS", "5"))
-outbox_chunk_size = int(os.environ.get("OUTBOX_CHUNK_SIZE", "1"))
+# docs/configuration.md, "Secrets".
+#
+# Every other relay setting is read from the environment too
+# (OUTBOX_LEASE_SECONDS, OUTBOX_CHUNK_SIZE, ...), checked and refused with a
+# one-line message naming it when it is not valid. One set here, as
+# outbox_<name>, wins over the environment:
+# outbox_lease_seconds = 60
+# outbox_chunk_size = 50
 
 # The deliver task's Celery retry options are the relay's retry policy,
 # applied in the database (never as broker ETAs). Uncomment for 8 attempts

@@ -368,6 +368,9 @@ def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_fact
     assert "OUTBOX_PUBLISH_TIMEOUT_SECONDS (30) must be less than OUTBOX_LEASE_SECONDS" in (
         worker.text()
     )
+    # One line naming the setting, not a traceback.
+    assert "outbox-relay cannot start: " in worker.text()
+    assert "Traceback" not in worker.text(), worker.text()[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -256,3 +256,15 @@ def test_example_config_refuses_to_start_without_a_dsn(tmp_path: Path) -> None:
     # It used to default to a guessed database (postgres on 127.0.0.1).
     log = _example_config_worker(tmp_path, OUTBOX_PUBLISHER="tests.apps.receiver:record")
     assert "OUTBOX_DSN" in log, log[-3000:]
+
+
+def test_example_config_refuses_a_bad_value_in_one_line(dsn: str, tmp_path: Path) -> None:
+    # It used to float() the variable itself: a ValueError traceback from celeryconfig.py.
+    log = _example_config_worker(
+        tmp_path,
+        OUTBOX_DSN=dsn,
+        OUTBOX_PUBLISHER="tests.apps.receiver:record",
+        OUTBOX_LEASE_SECONDS="sixty",
+    )
+    assert "outbox-relay cannot start: " in log and "OUTBOX_LEASE_SECONDS" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]

@@ -203,7 +203,13 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
             return
         if consume and not inst.explicit_queues:
             # The queue the relay's tasks are routed to (the user's route wins).
-            instance.app.amqp.queues.select_add(inst.relay_queue())
+            try:
+                queue = inst.relay_queue()
+            except ConfigError as exc:
+                # Reported, in one line, by the worker step at start.
+                inst.config_error = exc
+                return
+            instance.app.amqp.queues.select_add(queue)
 
     def process_init(**kwargs: Any) -> None:
         inst.reset()  # a forked child must not reuse the parent's sockets

@@ -147,13 +147,21 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, worker: Any) -> None:
         inst = self.inst
-        if inst is None or not relays_here(worker, inst):
+        if inst is None:
             return
-        # Fail at start, with a message naming the setting, not at the first task.
-        if inst.config_error is not None:
-            raise inst.config_error
-        inst.validate()
-        inst.check_database()
+        # Fail at start, with a message naming the setting, not at the first
+        # task; one line, not Celery's "Unrecoverable error" traceback (the
+        # worker's own start() turns SystemExit into its exit code).
+        try:
+            if not relays_here(worker, inst):
+                return
+            if inst.config_error is not None:
+                raise inst.config_error
+            inst.validate()
+            inst.check_database()
+        except ConfigError as exc:
+            log.critical("outbox-relay cannot start: %s", exc)
+            raise SystemExit(1) from None
         s = inst.settings
         if not s.listen:
             return
