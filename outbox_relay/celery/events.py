@@ -14,11 +14,11 @@ log = logging.getLogger("outbox_relay.celery")
 
 
 class TaskEvents:
-    """Emits Celery task events (shown in Flower) for stale and lost leases.
+    """Emits Celery task events (shown in Flower) for dead letters, stale and lost leases.
 
-    Custom event types ``task-outbox-lost-lease`` and ``task-outbox-stale``,
-    sent on behalf of the delivery task running in this thread (workers
-    started with ``-E``). They carry ids and versions, never payloads.
+    Custom event types ``task-outbox-dead``, ``task-outbox-lost-lease`` and
+    ``task-outbox-stale``, sent on behalf of the delivery task running in
+    this thread. They carry ids, versions and reasons, never payloads.
     """
 
     def _send(self, kind: str, **fields: Any) -> None:
@@ -36,9 +36,28 @@ class TaskEvents:
         pass
 
     def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
-        if outcome.status == "dead":
-            # A dead letter needs a person: say so above INFO.
-            log.warning("outbox message %s is dead: %s", msg.id, outcome.error)
+        if outcome.status != "dead":
+            return
+        # A dead letter needs a person. The delivery task itself returns
+        # normally (its retry lives in the database), so Flower would show
+        # SUCCESS: say it above INFO, and as an event monitors can count.
+        reason = _short(outcome.error)
+        log.error(
+            "outbox message %s v%s (%s) is dead after %s attempt(s): %s",
+            msg.id,
+            msg.lease_version,
+            msg.event_type,
+            msg.attempts,
+            reason,
+        )
+        self._send(
+            "task-outbox-dead",
+            outbox_id=msg.id,
+            lease_version=msg.lease_version,
+            event_type=msg.event_type,
+            attempts=msg.attempts,
+            reason=reason,
+        )
 
     def lost_lease(self, ref: LeaseRef, where: str) -> None:
         self._send("task-outbox-lost-lease", outbox_id=ref.id, lease_version=ref.lease_version)
@@ -47,6 +66,12 @@ class TaskEvents:
         self._send(
             "task-outbox-stale", outbox_id=ref.id, lease_version=ref.lease_version, reason=reason
         )
+
+
+def _short(text: str | None, limit: int = 500) -> str:
+    """A reason short enough for an event (``last_error`` keeps the whole text)."""
+    text = text or "unknown"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Observers:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -30,7 +31,7 @@ from ..db import PoolDatabase, bounded_connection_kwargs
 from ..errors import ConfigError, OutboxError, RetryableError
 from ..model import Message
 from ..outbox import Outbox
-from ..publishers import publisher_timeout, resolve_publisher
+from ..publishers import CeleryTaskPublisher, Router, publisher_timeout, resolve_publisher
 from ..services import Claimer, Deliverer, LeaseKeeper, Observer, Publisher, Purger, Rescuer
 from ..services.policy import RetryPolicy
 from . import names
@@ -101,6 +102,54 @@ def _scrub_publisher(text: str, settings: Settings) -> str:
         for secret in sorted(_secret_strings(name, value), key=len, reverse=True):
             text = text.replace(secret, MASK)
     return text
+
+
+def _celery_targets(publisher: Any) -> list[CeleryTaskPublisher]:
+    """The Celery task publishers in ``publisher`` (itself, or a Router's routes)."""
+    if isinstance(publisher, CeleryTaskPublisher):
+        return [publisher]
+    if isinstance(publisher, Router):
+        return [t for p in publisher.publishers for t in _celery_targets(p)]
+    return []
+
+
+def _slowest(publisher: Any) -> Any:
+    """The publisher whose timeout is the one declared (a Router's slowest route)."""
+    if isinstance(publisher, Router):
+        routes = [p for p in publisher.publishers if publisher_timeout(p) is not None]
+        if routes:
+            return _slowest(max(routes, key=lambda p: publisher_timeout(p) or 0.0))
+    return publisher
+
+
+def _timeout_advice(publisher: Any, declared: float, budget: float) -> str:
+    """What to change, and to what, when a publish may outlast its budget."""
+    need = math.ceil(declared * 10 - 1e-6) / 10  # rounded up to a tenth
+    fixes = [f"raise OUTBOX_PUBLISH_TIMEOUT_SECONDS to at least {need:g}"]
+    slowest = _slowest(publisher)
+    parts = getattr(slowest, "timeout_parts", None) or []
+    detail = ""
+    if parts:
+        detail = (
+            " ("
+            + " + ".join(
+                f"{n} x {name} {seconds:g}" if n > 1 else f"{name} {seconds:g}"
+                for name, seconds, n in parts
+            )
+            + ")"
+        )
+        excess = declared - budget
+        for name, seconds, n in parts:
+            # Rounded down to a hundredth, so the advice is enough on its own.
+            lower = math.floor((seconds - excess / n) * 100 + 1e-6) / 100
+            if lower > 0:
+                fixes.append(f"lower {name} to at most {lower:g}")
+    else:
+        fixes.append("lower the publisher's own timeouts")
+    return (
+        f"the publisher may take {declared:g}s per publish{detail}, more than "
+        f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({budget:g}): " + ", or ".join(fixes)
+    )
 
 
 class Installation:
@@ -198,13 +247,16 @@ class Installation:
 
     def _check_publisher(self) -> None:
         s = self.settings
-        declared = publisher_timeout(self.publisher())
-        if declared is not None and declared > s.publish_timeout_seconds:
-            raise ConfigError(
-                f"the publisher may take {declared:g}s per publish, more than "
-                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({s.publish_timeout_seconds:g}); lower its "
-                "own timeouts or raise OUTBOX_PUBLISH_TIMEOUT_SECONDS"
-            )
+        base = self._resolve_publisher()
+        for target in _celery_targets(base):
+            # A task name nobody registers: refused (relay's own app) or warned.
+            warning = target.check_registered(self.app)
+            if warning:
+                log.warning("%s", warning)
+        declared = publisher_timeout(base)
+        budget = s.publish_timeout_seconds
+        if declared is not None and declared > budget + 1e-9:
+            raise ConfigError(_timeout_advice(base, declared, budget))
 
     def check_database(self) -> None:
         """Connect once and check the table is migrated (then disconnect)."""
@@ -235,10 +287,10 @@ class Installation:
             )
 
     # ----------------------------------------------------- process state
-    def publisher(self) -> Publisher:
+    def _resolve_publisher(self) -> Publisher:
         s = self.settings
         try:
-            base = resolve_publisher(
+            return resolve_publisher(
                 s.publisher,
                 publish_timeout_seconds=s.publish_timeout_seconds,
                 **dict(s.publisher_options),
@@ -247,6 +299,9 @@ class Installation:
             # A mistyped URL (amqp//user:pw@host) is echoed by the resolver
             # as the setting's value; the worker logs this message.
             raise ConfigError(_scrub_publisher(str(exc), s)) from None
+
+    def publisher(self) -> Publisher:
+        base = self._resolve_publisher()
         wrapped = _translate_celery_retry(base)
         wrapped.timeout_seconds = publisher_timeout(base)  # type: ignore[attr-defined]
         return wrapped

@@ -108,6 +108,15 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 len(result.dead),
                 _ids(result.dead),
             )
+            for outbox_id in result.dead:
+                # The same event a dead letter from a delivery sends, so one
+                # monitor counts both.
+                _event(
+                    self,
+                    "task-outbox-dead",
+                    outbox_id=int(outbox_id),
+                    reason="its lease expired on the last attempt",
+                )
         if result.released:
             log.warning(
                 "rescued %d expired lease(s): their delivery tasks were lost or stuck; "
@@ -139,6 +148,14 @@ def _send(task: Any, args: tuple[Any, ...] = (), **options: Any) -> None:
         task.apply_async(args, serializer="json", **options)
     except Exception:
         log.warning("could not send %s; the next beat tick will", task.name, exc_info=True)
+
+
+def _event(task: Any, kind: str, **fields: Any) -> None:
+    """A custom task event; best effort (monitoring never fails the relay)."""
+    try:
+        task.send_event(kind, **fields)
+    except Exception:
+        log.debug("could not send task event %s", kind, exc_info=True)
 
 
 def _ids(ids: list[int], limit: int = 10) -> str:

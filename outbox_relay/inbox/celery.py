@@ -55,9 +55,21 @@ class InboxTask(Task):  # type: ignore[misc]  # celery is untyped
     Use ``@app.task(base=InboxTask)`` or ``@inbox_task(app, ...)``. The body
     writes its effect through ``self.inbox_conn`` (or
     ``inbox.current_connection()``); a duplicate delivery returns
-    ``on_duplicate(...)`` (None) without running the body. If the body
-    raises, the inbox row rolls back with the effect, and a redelivery
-    (``acks_late``) runs it again.
+    ``on_duplicate(...)`` (None) without running the body. The message id
+    is the ``Idempotency-Key`` header, else the task id, so a fresh send
+    that reuses a task id is skipped too (Celery itself only recognizes a
+    broker redelivery of the same message).
+
+    Acknowledgement defaults that lose no work (a task's own ``acks_late``,
+    ``reject_on_worker_lost`` or ``acks_on_failure_or_timeout`` wins; the
+    app's ``task_*`` settings do not, they are Celery's lossy defaults):
+    the message is acked after the body (``acks_late=True``); a worker
+    process that dies mid-body gives it back to the broker
+    (``reject_on_worker_lost=True``) and the inbox absorbs any repeat; a
+    body that raises is *rejected*, not acked (``acks_on_failure_or_timeout
+    =False``): RabbitMQ dead-letters it when the queue has a dead-letter
+    exchange, Redis drops it. Either way its effect and inbox row rolled
+    back, so a re-send with the same id runs it. See docs/publishers.md.
 
     Settings (task attributes, e.g. ``@app.task(base=InboxTask,
     inbox_consumer="billing")``): ``inbox_consumer`` (default: the task
@@ -66,6 +78,13 @@ class InboxTask(Task):  # type: ignore[misc]  # celery is untyped
     then ``outbox_dsn``, ``OUTBOX_DSN``),
     ``inbox_conn_factory``, ``inbox_table``, ``inbox_pool_size``.
     """
+
+    # Class attributes, so Celery's Task.bind leaves them alone (it copies
+    # the app's task_* settings only onto attributes that are None) and a
+    # task's own options (@app.task(base=InboxTask, acks_late=False)) win.
+    acks_late = True
+    reject_on_worker_lost = True
+    acks_on_failure_or_timeout = False
 
     inbox_consumer: str | None = None
     inbox_dsn: str | None = None
@@ -149,8 +168,8 @@ def inbox_task(
     """``@inbox_task(app, consumer="billing")``: ``app.task`` with the ``InboxTask`` base.
 
     Other keyword arguments go to ``app.task`` (``name``, ``queue``,
-    ``acks_late`` ...). ``acks_late=True`` is the default here: a worker that
-    dies mid-task then gets the message again, and the inbox absorbs it.
+    ``acks_late`` ...). The acknowledgement defaults are ``InboxTask``'s: a
+    worker that dies mid-task gets the message again, and the inbox absorbs it.
     """
     attrs: dict[str, Any] = {
         "inbox_consumer": consumer,
@@ -161,6 +180,5 @@ def inbox_task(
     if conn_factory is not None:
         # A plain function stored on the class would become a method.
         attrs["inbox_conn_factory"] = staticmethod(conn_factory)
-    options.setdefault("acks_late", True)
     decorator: Callable[[Callable[..., Any]], Any] = app.task(base=base, **attrs, **options)
     return decorator

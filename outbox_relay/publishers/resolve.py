@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .broker import BROKER_SCHEMES, BrokerPublisher
-from .celery_task import CeleryTaskPublisher
+from .celery_task import CeleryTaskPublisher, is_celery_target
 from .protocol import Publisher, load_callable
 from .routing import Router
 from .webhook import WebhookPublisher
@@ -39,6 +39,18 @@ def _from_target(
         f"{setting}: unsupported publisher URL scheme {scheme + '://' if scheme else target!r}; "
         "use http(s)://, amqp(s)://, redis(s)://, celery:task.name or package.module:callable"
     )
+
+
+def _celery_target(target: Any, setting: str, options: Mapping[str, Any]) -> Publisher:
+    """A Celery ``Task`` or ``Signature`` given as the publisher: send it, never call it.
+
+    Both are callable, and calling one runs the task's body right here, in
+    the relay's worker (a Signature called with the message fails outright).
+    """
+    try:
+        return CeleryTaskPublisher.from_options(target, options)
+    except (ConfigError, TypeError) as exc:
+        raise ConfigError(f"{setting}: {exc}") from None
 
 
 def router_from_config(
@@ -74,7 +86,9 @@ def resolve_publisher(spec: Any, *, setting: str = "OUTBOX_PUBLISHER", **options
 
     ``spec`` may be:
 
-    * a callable, or ``"package.module:callable"``;
+    * a callable, or ``"package.module:callable"``; a Celery ``Task`` or
+      ``Signature`` (given, or imported that way) is sent to the broker as
+      ``CeleryTaskPublisher`` does, never called;
     * an ``http(s)://`` URL (``WebhookPublisher``);
     * an ``amqp://``, ``amqps://``, ``redis://``, ``rediss://`` or
       ``redis+socket://`` URL (``BrokerPublisher``);
@@ -93,6 +107,9 @@ def resolve_publisher(spec: Any, *, setting: str = "OUTBOX_PUBLISHER", **options
             f"{setting} is not set: name a publisher as 'package.module:callable', "
             "a webhook URL, a broker URL or celery:task.name"
         )
+    if is_celery_target(spec):
+        # Before the mapping case: a Signature is a dict (with a "task" key).
+        return _celery_target(spec, setting, options)
     if isinstance(spec, Mapping):
         if "url" in spec or "task" in spec:
             overrides = {str(k): v for k, v in spec.items() if k not in ("url", "task")}
@@ -113,5 +130,8 @@ def resolve_publisher(spec: Any, *, setting: str = "OUTBOX_PUBLISHER", **options
     if "://" in spec or spec.startswith("celery:"):
         return _from_target(spec, setting, options, {})
     if ":" in spec:
-        return load_callable(spec, setting=setting)
+        loaded = load_callable(spec, setting=setting)
+        if is_celery_target(loaded):
+            return _celery_target(loaded, setting, options)
+        return loaded
     raise ConfigError(f"{setting}={spec!r} is not a publisher this relay knows")
