@@ -13,14 +13,15 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-# The fault suite (tests/faults, docs/reliability.md) runs after the rest,
-# FAULT_JOBS scenarios at a time: they spend most of their time waiting out
-# leases and outages, each with its own database, broker and queue.
+# TEST_JOBS test processes side by side (pytest-xdist): most tests wait on
+# real workers, leases and outages. Each test has a database of its own, each
+# process a Redis database of its own (tests/services.py), and the tests on the
+# shared RabbitMQ run in one process (tests/conftest.py). TEST_JOBS=0: serially.
+TEST_JOBS ?= 3
 FAULT_JOBS ?= 3
 
 test: venv
-	$(BIN)/pytest -m "not faults" $(PYTEST_ARGS)
-	$(BIN)/pytest -m faults -n $(FAULT_JOBS) $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 # The core store tests alone (CI also runs them against the embedded server).
 test-store: venv
@@ -39,7 +40,7 @@ typecheck: venv
 # Only the fault suite, with its ledgers printed as the table of docs/reliability.md.
 faults: venv
 	rm -f .faults.jsonl
-	OUTBOX_TEST_FAULTS_REPORT=$(CURDIR)/.faults.jsonl $(BIN)/pytest -m faults -n $(FAULT_JOBS) $(PYTEST_ARGS)
+	OUTBOX_TEST_FAULTS_REPORT=$(CURDIR)/.faults.jsonl $(BIN)/pytest -m faults -n $(FAULT_JOBS) --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/python -m tests.faults.report .faults.jsonl
 
 # The soak alone, an hour by default (SOAK_SECONDS=...); draws docs/reliability-soak.png.

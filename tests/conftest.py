@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -100,3 +101,25 @@ def conn(dsn: str) -> Iterator[psycopg.Connection]:
     """An autocommit connection to this test's database."""
     with psycopg.connect(dsn, autocommit=True) as connection:
         yield connection
+
+
+@pytest.fixture
+def owned_redis() -> Iterator[Any]:
+    """A Redis server this test alone uses, so it may flush, kill and restart it."""
+    from .faults.servers import OwnedRedis
+
+    server = OwnedRedis()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (make test), tests on the shared RabbitMQ run in one
+    process, one at a time; everything else has a database, a Redis database
+    or a server of its own and runs side by side."""
+    for item in items:
+        name = item.nodeid.lower()
+        if "amqp" in name or "rabbit" in name or "amqp_broker" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("rabbitmq"))

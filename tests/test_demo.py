@@ -21,6 +21,8 @@ import pytest
 
 from outbox_relay.demo.receiver import Receiver, verdict
 
+from . import services
+
 pytestmark = pytest.mark.celery
 
 DEMO = [str(Path(sys.executable).parent / "outbox-relay"), "demo"]
@@ -37,7 +39,7 @@ def demo_env(request: pytest.FixtureRequest) -> dict[str, str]:
         # A password the server (trust auth) never asks for: it must not be printed.
         env["OUTBOX_DSN"] = request.getfixturevalue("dsn") + f" password={PASSWORD}"
     if os.environ.get("OUTBOX_TEST_REDIS_URL"):
-        env["CELERY_BROKER_URL"] = os.environ["OUTBOX_TEST_REDIS_URL"]
+        env["CELERY_BROKER_URL"] = services.redis_url()
     return env
 
 

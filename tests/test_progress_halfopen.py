@@ -21,7 +21,7 @@ from .apps import kit
 from .celery_procs import CeleryProcs
 from .tcp_proxy import SilencingProxy
 
-pytestmark = [pytest.mark.celery, pytest.mark.slow]
+pytestmark = [pytest.mark.celery, pytest.mark.slow, pytest.mark.faults]
 
 
 def _relay(dsn: str, relay_dsn: str, broker: str, tmp_path: Path) -> CeleryProcs:
