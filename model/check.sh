@@ -137,9 +137,11 @@ check fail liveness "FREEZE_BUG"                      -DFREEZE_BUG
 echo "== the checker catches a weaker fence: must fail"
 check fail safety   "WEAK_FENCE (no lease test)"      -DWEAK_FENCE
 
-echo "== what duplicated tasks and releases do today (docs/model.md): must fail"
-check fail safety   "STRICT_ATTEMPTS"                 -DSTRICT_ATTEMPTS
+echo "== duplicated tasks count one attempt per lease version (migration 0005): must pass"
+check pass safety   "STRICT_ATTEMPTS"                 -DSTRICT_ATTEMPTS
 check pass safety   "STRICT_ATTEMPTS, no duplicates"  -DSTRICT_ATTEMPTS -DDUP=0
+
+echo "== what duplicated tasks and releases do today (docs/model.md): must fail"
 check fail safety   "EXCLUSIVE"                       -DEXCLUSIVE
 check fail safety   "NO_STEAL"                        -DNO_STEAL
 

@@ -15,8 +15,8 @@
  *                    the claim skipped when rows in 'processing' (live or
  *                    expired) reach the cap. The liveness check must fail.
  *   STRICT_ATTEMPTS  assert attempts <= MAX_ATTEMPTS with no allowance for
- *                    duplicated delivery tasks (fails when DUP > 0: see
- *                    docs/model.md, "What the model found").
+ *                    duplicated delivery tasks (it failed when DUP > 0 until
+ *                    begin counted once per lease version: docs/model.md).
  *   EXCLUSIVE        assert that no two workers ever hold a live lease on one
  *                    row at once (fails when DUP > 0: duplicates by design).
  *   NO_STEAL         assert that a release of an unpublished row (begin's
@@ -504,11 +504,12 @@ proctype worker(byte w) {
               NOT_STALE(r);
               if
               :: lease[r] == FULL ->
+                   /* began_version (migration 0005): the attempt is
+                    * counted by the first begin under a lease only */
                    if
                    :: begun[r] -> dupb[r]++          /* ghost */
-                   :: else -> begun[r] = 1
+                   :: else -> begun[r] = 1; att[r]++
                    fi;
-                   att[r]++;
                    check_attempts(r);
                    watt[w] = att[r];
                    wst[w] = W_BEGUN

@@ -95,6 +95,26 @@ def test_an_attempt_is_counted_when_a_delivery_begins(conn: psycopg.Connection[A
     assert "lease expired on the last attempt (2 of 2)" in error
 
 
+def test_a_duplicated_delivery_task_counts_one_attempt(conn: psycopg.Connection[Any]) -> None:
+    """The broker may deliver a task twice: both copies pass the fence (same
+    id and lease version), but only the first begin counts an attempt (found
+    by the protocol model: duplicates pushed attempts past max_attempts)."""
+    ids = seed(conn, 2)
+    claimed = relay_claimer(conn, max_attempts=2).run_once().claimed
+    needed = timedelta(seconds=1)
+    for _ in range(3):  # a chunk task delivered three times (begin's unnest path)
+        began = store.begin(conn, [m.ref for m in claimed], needed=needed)
+        assert [began[i].claimed.attempts for i in ids] == [1, 1]
+        assert all(began[i].started for i in ids)
+    # The next lease counts again; and its duplicates (begin_one's path) do not.
+    expire_leases(conn)
+    Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=2).run_once()
+    again = relay_claimer(conn, max_attempts=2).run_once().claimed
+    for _ in range(2):
+        one = store.begin(conn, [again[0].ref], needed=needed)[again[0].id]
+        assert one.started and one.claimed.attempts == 2
+
+
 def test_a_row_out_of_attempts_goes_dead_at_the_claim(conn: psycopg.Connection[Any]) -> None:
     old, fresh = seed(conn, 2)
     # max_retries was lowered after this row had been tried 5 times.

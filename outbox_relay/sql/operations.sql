@@ -158,7 +158,7 @@ GRANT SELECT (id, operation_key, content_hash) ON TABLE {table} TO {{role}};
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT SELECT, DELETE ON TABLE {table} TO {{role}};
 GRANT UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version,
-              last_error, done_at)
+              last_error, done_at, began_version)
    ON TABLE {table} TO {{role}};
 GRANT SELECT ON TABLE {migrations} TO {{role}};
 

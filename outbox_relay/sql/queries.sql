@@ -196,14 +196,19 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type, pa
 -- A delivery task begins: the rows of its chunk still held under the given
 -- versions, with the lease left and the message's age. A row with at least
 -- %(needed)s of lease left is started (its attempt counted when
--- %(count_attempt)s = 1); one with less is returned unstarted, for the task
+-- %(count_attempt)s = 1, once per lease version: a duplicated task begins
+-- again but counts nothing, see migration 0005); one with less is returned unstarted, for the task
 -- to give back at once rather than publish into a lease that may end midway.
 -- A missing row means "not mine any more". (lease_until, not status: see
 -- finalize.)
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
-           THEN %(count_attempt)s ELSE 0 END
+            AND o.began_version IS DISTINCT FROM o.lease_version
+           THEN %(count_attempt)s ELSE 0 END,
+       began_version = CASE
+           WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
+           THEN o.lease_version ELSE o.began_version END
   FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
@@ -221,7 +226,11 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
-           THEN %(count_attempt)s ELSE 0 END
+            AND o.began_version IS DISTINCT FROM o.lease_version
+           THEN %(count_attempt)s ELSE 0 END,
+       began_version = CASE
+           WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
+           THEN o.lease_version ELSE o.began_version END
  WHERE o.id = %(id)s
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
