@@ -128,18 +128,22 @@ def test_worker_killed_at_the_in_flight_cap_and_broker_flushed(dsn, tmp_path: Pa
         sampler.halt()
         procs.stop_all()
 
-    worst = max(samples, key=lambda s: s.get("processing"))
+    worst = max(samples, key=lambda s: s.get("live"))
     stall = kit.longest_stall(samples, since=ready, total=MESSAGES)
     print(
         f"\nenqueue {enqueued:.1f}s; at kill {at_kill}; all done {took:.1f}s after the fresh "
-        f"worker was ready (budget {budget:.0f}s); {len(samples)} samples, most processing "
-        f"{worst.get('processing')}, longest stall {stall:.1f}s"
+        f"worker was ready (budget {budget:.0f}s); {len(samples)} samples, most live leases "
+        f"{worst.get('live')} (most processing, expired included: "
+        f"{max(s.get('processing') for s in samples)}), longest stall {stall:.1f}s"
     )
     assert final == {"done": MESSAGES}, final  # none dead, none left behind
     assert kit.delivered_ids(dsn) == set(ids)  # every message really went out
 
-    assert worst.get("processing") <= CAP + BATCH, (
-        f"processing reached {worst.get('processing')} (cap {CAP} + batch {BATCH}): {worst.counts}"
+    # The cap bounds live leases (expired ones wait for the rescuer, which
+    # may run after a claim on a busy machine): never more than the cap and
+    # one claim batch.
+    assert worst.get("live") <= CAP + BATCH, (
+        f"live leases reached {worst.get('live')} (cap {CAP} + batch {BATCH}): {worst.counts}"
     )
     # No freeze short of the end either: after the fresh worker is up, done
     # grows again once the stranded leases expire and keeps growing.

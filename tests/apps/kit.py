@@ -136,7 +136,8 @@ class Sample:
 
 
 class StatusSampler:
-    """Reads ``SELECT status, count(*)`` every ``interval`` seconds in a thread."""
+    """Reads ``SELECT status, count(*)`` (and the live leases, as ``"live"``)
+    every ``interval`` seconds in a thread."""
 
     def __init__(self, dsn: str, *, interval: float = 0.2) -> None:
         self.dsn = dsn
@@ -150,8 +151,12 @@ class StatusSampler:
         try:
             with psycopg.connect(self.dsn, autocommit=True) as conn:
                 while not self._stop.is_set():
+                    # "live": processing rows whose lease has not expired,
+                    # what the in-flight cap counts.
                     rows = conn.execute(
                         "SELECT status, count(*) FROM outbox GROUP BY status"
+                        " UNION ALL SELECT 'live', count(*) FROM outbox"
+                        " WHERE status = 'processing' AND lease_until > now()"
                     ).fetchall()
                     self.samples.append(Sample(time.monotonic(), {s: int(n) for s, n in rows}))
                     self._stop.wait(self.interval)

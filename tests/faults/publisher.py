@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from outbox_relay import Message
 from outbox_relay.publishers import WebhookPublisher
@@ -45,22 +46,32 @@ CREATE TABLE IF NOT EXISTS calls (
 CONNECT_TIMEOUT = 1.0
 READ_TIMEOUT = 1.5
 
-_local = threading.local()
 _webhook: dict[int, WebhookPublisher] = {}
+_pools: dict[int, ConnectionPool[psycopg.Connection[Any]]] = {}
 _lock = threading.Lock()
 
 
-def _connection() -> psycopg.Connection[Any]:
-    conn = getattr(_local, "conn", None)
-    if conn is None or conn.closed or getattr(_local, "pid", None) != os.getpid():
-        conn = psycopg.connect(
-            os.environ["FAULT_DSN"],
-            autocommit=True,
-            connect_timeout=5,
-            options="-c synchronous_commit=off",  # evidence, not the state under test
-        )
-        _local.conn, _local.pid = conn, os.getpid()
-    return conn
+def _pool() -> ConnectionPool[psycopg.Connection[Any]]:
+    # One small pool per process (a prefork child must not reuse its
+    # parent's sockets), shared by the publish threads: a connection per
+    # thread would be dozens per worker, and tests run side by side.
+    with _lock:
+        pool = _pools.get(os.getpid())
+        if pool is None:
+            pool = ConnectionPool(
+                os.environ["FAULT_DSN"],
+                min_size=0,
+                max_size=2,
+                timeout=5,
+                kwargs={
+                    "autocommit": True,
+                    "connect_timeout": 5,
+                    "options": "-c synchronous_commit=off",  # evidence, not the state under test
+                },
+                open=True,
+            )
+            _pools[os.getpid()] = pool
+        return pool
 
 
 def _publisher() -> WebhookPublisher:
@@ -81,9 +92,9 @@ def _log(sql: str, params: tuple[Any, ...]) -> Any:
     # the fault, the log is best effort (the ledger treats a missing entry
     # as "no evidence", never as an explanation).
     try:
-        return _connection().execute(sql, params).fetchone()
-    except psycopg.Error:
-        _local.conn = None
+        with _pool().connection() as conn:
+            return conn.execute(sql, params).fetchone()
+    except (psycopg.Error, PoolTimeout):
         return None
 
 

@@ -153,7 +153,7 @@ class Receiver:
         self._pool: ConnectionPool[psycopg.Connection[Any]] = ConnectionPool(
             dsn,
             min_size=2,
-            max_size=16,
+            max_size=6,
             # The receiver's database is never the one under fault: no need to
             # wait for each commit's fsync (that was most of a request's time).
             kwargs={"autocommit": True, "options": "-c synchronous_commit=off"},
