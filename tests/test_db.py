@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -76,3 +79,35 @@ def test_a_slow_statement_is_cancelled_by_the_server_first(dsn: str) -> None:
         assert db.run(store.in_flight) == 0
     finally:
         db.close()
+
+
+def test_a_client_that_vanishes_inside_a_transaction_releases_its_locks(dsn: str) -> None:
+    """A relay host cut off the network inside a claim held the claim's
+    advisory lock until the server's TCP keepalive (hours): every other
+    claimer timed out behind it (the fault suite's link-cut scenario). The
+    server now ends a relay session that waits inside a transaction for
+    longer than the database timeout."""
+    proxy = SilencingProxy(dsn)
+    db = PoolDatabase(proxy.dsn, size=1, name="vanishing", timeout=TIMEOUT)
+
+    def hold(c: psycopg.Connection[Any]) -> None:
+        c.execute("SELECT pg_advisory_xact_lock(4242)")
+        proxy.silence()  # the host vanishes while its transaction is open
+        c.execute("SELECT 1")
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the watchdog cuts it, client side
+            db.run(hold, retry=False)
+
+    holder = threading.Thread(target=run, daemon=True)
+    try:
+        holder.start()
+        started = time.monotonic()
+        with psycopg.connect(dsn, autocommit=True) as other:
+            other.execute("SET lock_timeout = '20s'")
+            other.execute("SELECT pg_advisory_lock(4242)")  # blocks until the server frees it
+            other.execute("SELECT pg_advisory_unlock(4242)")
+        assert time.monotonic() - started < TIMEOUT + 5
+    finally:
+        db.close()
+        proxy.close()

@@ -27,7 +27,7 @@ from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
 from ..outbox import Outbox
 from . import names
-from .runtime import Installation
+from .runtime import STARTUP_WAIT_SECONDS, Installation
 from .tasks import register_tasks
 
 __all__ = ["install"]
@@ -181,7 +181,7 @@ def _check_beat(app: Any, inst: Installation) -> None:
             if inst.config_error is not None:
                 raise inst.config_error
             inst.validate()
-            inst.check_database()
+            inst.check_database(wait_seconds=STARTUP_WAIT_SECONDS)
         except ConfigError as exc:
             log.critical("outbox-relay: beat cannot start: %s", exc)
             # Celery's signal dispatch swallows exceptions; SystemExit is not

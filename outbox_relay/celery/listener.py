@@ -25,6 +25,7 @@ from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
+from .runtime import STARTUP_WAIT_SECONDS
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
@@ -158,7 +159,7 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             if inst.config_error is not None:
                 raise inst.config_error
             inst.validate()
-            inst.check_database()
+            inst.check_database(wait_seconds=STARTUP_WAIT_SECONDS)
         except ConfigError as exc:
             log.critical("outbox-relay cannot start: %s", exc)
             raise SystemExit(1) from None

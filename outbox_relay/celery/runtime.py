@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,7 +39,29 @@ from . import names
 from .events import Observers, TaskEvents
 from .options import annotations_for, retry_policy, time_limits
 
-__all__ = ["Installation", "Services"]
+__all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services"]
+
+# How long a worker or beat starting up waits for a database that refuses
+# connections (down, restarting) before it gives up.
+STARTUP_WAIT_SECONDS = 30.0
+
+
+def _unreachable(exc: psycopg.OperationalError) -> bool:
+    """A server that is not there (yet), as opposed to one that said no."""
+    text = str(exc).lower()
+    return any(
+        hint in text
+        for hint in (
+            "connection refused",
+            "no such file or directory",  # a Unix socket not created yet
+            "the database system is starting up",
+            "the database system is shutting down",
+            "the database system is in recovery mode",
+            "timeout expired",
+            "not yet accepting connections",
+        )
+    )
+
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -258,13 +281,33 @@ class Installation:
         if declared is not None and declared > budget + 1e-9:
             raise ConfigError(_timeout_advice(base, declared, budget))
 
-    def check_database(self) -> None:
-        """Connect once and check the table is migrated (then disconnect)."""
+    def check_database(self, *, wait_seconds: float = 0.0) -> None:
+        """Connect once and check the table is migrated (then disconnect).
+
+        A server that refuses connections is waited for up to
+        ``wait_seconds`` (a relay started with its database, or during a
+        restart, as Celery waits for its broker at start); anything else
+        (a bad DSN or password, a missing table) fails at once.
+        """
         table = self.settings.outbox_table
         dsn = self.settings.require_dsn()
+        deadline = time.monotonic() + wait_seconds
         try:
             kwargs = bounded_connection_kwargs(self.settings.database_timeout)
-            with psycopg.connect(dsn, **kwargs) as conn:
+            while True:
+                try:
+                    conn = psycopg.connect(dsn, **kwargs)
+                    break
+                except psycopg.OperationalError as exc:
+                    if time.monotonic() >= deadline or not _unreachable(exc):
+                        raise
+                    log.warning(
+                        "outbox-relay: database %s not reachable yet, retrying: %s",
+                        mask_dsn(dsn),
+                        connect_error(exc, dsn),
+                    )
+                    time.sleep(1.0)
+            with conn:
                 exists = store.table_exists(conn, table=table)
                 missing = store.missing_migrations(conn, table=table) if exists else []
         except (psycopg.Error, ValueError, OSError) as exc:

@@ -86,9 +86,16 @@ SELECT 1;
 SET synchronous_commit = off;
 
 -- name: set_statement_timeout
--- The server-side bound of every statement of a relay connection (SET takes
--- no bind parameters; set_config does).
-SELECT set_config('statement_timeout', %(value)s, false);
+-- The server-side bounds of a relay connection (SET takes no bind
+-- parameters; set_config does): every statement, and every wait for the
+-- client inside a transaction. The second frees what a client that vanished
+-- mid-transaction holds (found by the fault suite: a relay host cut off the
+-- network inside a claim kept the claim's advisory lock, and every other
+-- host's claim timed out behind it, until the server's TCP keepalive after
+-- hours). The relay never waits on anything but the database inside a
+-- transaction, so a healthy relay never reaches it.
+SELECT set_config('statement_timeout', %(value)s, false),
+       set_config('idle_in_transaction_session_timeout', %(value)s, false);
 
 -- name: durable_commit
 -- A claim bumps the fencing token; its commit must be durable even on a

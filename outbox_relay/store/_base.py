@@ -63,5 +63,6 @@ def relax_commit(conn: psycopg.Connection[Any]) -> None:
 
 
 def set_statement_timeout(conn: psycopg.Connection[Any], seconds: float) -> None:
-    """Bound every statement of this session on the server."""
+    """Bound every statement, and every client wait inside a transaction, of
+    this session on the server (queries.sql ``set_statement_timeout``)."""
     conn.execute(queries(None).set_statement_timeout, {"value": f"{int(seconds * 1000)}ms"})

@@ -50,6 +50,9 @@ LOST_RESPONSE = "lost response"
 # relay's database sessions spare these.
 TEST_SESSION = "fault-test"
 LEASE_LOST = "lease lost after publish"
+# An earlier attempt's request, held up in the network, reaching the receiver
+# after a later attempt (under a newer lease) was applied.
+LATE_REQUEST = "stale request arrived late"
 
 # Relay settings for the scenarios: short leases and ticks so a fault costs
 # seconds, not minutes; the rest are the defaults a user gets.
@@ -391,8 +394,14 @@ class Run:
         outcome_of: Mapping[tuple[int, int], Any],
         version_of: Mapping[tuple[int, int], Any],
     ) -> str | None:
-        if attempt <= first_attempt:
+        if attempt == first_attempt:
             return None  # the same delivery attempt twice: nothing explains that
+        if attempt < first_attempt:
+            earlier = version_of.get((message_id, attempt))
+            later = version_of.get((message_id, first_attempt))
+            if earlier is not None and later is not None and earlier < later:
+                return LATE_REQUEST
+            return None
         if first_verdict.startswith("lost"):
             return LOST_RESPONSE
         outcome = outcome_of.get((message_id, first_attempt), "missing")

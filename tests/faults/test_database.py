@@ -57,7 +57,8 @@ def test_database_server_crashed_and_restarted(
     fresh_database: str, tmp_path: Path, owned_redis: OwnedRedis
 ) -> None:
     """The outbox's server (one this test owns) stops at once, with no
-    checkpoint, stays down 5 s, and comes back through crash recovery."""
+    checkpoint, stays down 5 s, and comes back through crash recovery. The
+    beat is started while it is down: it waits for its database at start."""
     server = OwnedPostgres()
     try:
         with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
@@ -68,17 +69,19 @@ def test_database_server_crashed_and_restarted(
         run = Run("pg-restart", dsn, fresh_database, tmp_path, broker=owned_redis.url)
         try:
             run.workers(1)
-            run.beat()
             run.enqueue(800)
             time.sleep(2)
             server.crash()
+            beat = run.beat()
             time.sleep(5)
             server.start()
             run.faults.append(
-                "PostgreSQL stopped with -m immediate mid-run, down 5 s, crash recovery"
+                "PostgreSQL stopped with -m immediate mid-run, down 5 s, crash recovery;"
+                " the beat started while it was down"
             )
             run.wait_finished(150)
             run.ledger(allow=ALLOW)
+            assert "not reachable yet, retrying" in beat.text(), beat.text()[-3000:]
         finally:
             run.close()
     finally:
