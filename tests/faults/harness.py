@@ -397,11 +397,14 @@ class Run:
         if attempt == first_attempt:
             return None  # the same delivery attempt twice: nothing explains that
         if attempt < first_attempt:
+            # An attempt is counted once per lease (began_version), so a lower
+            # attempt is an older lease's request; the call log, when it got
+            # through (it travels the same cut link), must agree.
             earlier = version_of.get((message_id, attempt))
             later = version_of.get((message_id, first_attempt))
-            if earlier is not None and later is not None and earlier < later:
-                return LATE_REQUEST
-            return None
+            if earlier is not None and later is not None and earlier >= later:
+                return None
+            return LATE_REQUEST
         if first_verdict.startswith("lost"):
             return LOST_RESPONSE
         outcome = outcome_of.get((message_id, first_attempt), "missing")
