@@ -208,9 +208,11 @@ def test_worker_sigkilled_mid_publish_loses_nothing(recorded_dsn, redis_broker, 
 def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
     procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=4, publish_timeout_seconds=2)
     procs.worker(concurrency=1)
-    ids = enqueue_orders(recorded_dsn, 60, payload={"sleep": 0.1})
+    ids = enqueue_orders(recorded_dsn, 60, payload={"sleep": 0.3})
     # Beat is not running yet: the NOTIFY-triggered claim fans out all 60
-    # tasks, and one slow worker leaves most of them waiting in Redis.
+    # tasks, and one slow worker leaves most of them waiting in Redis (0.3 s
+    # each: 18 s of work, so a busy machine that starves this test process
+    # for a few seconds still finds them queued; at 0.1 s it once did not).
     wait_for(lambda: counts(recorded_dsn).get("processing", 0) >= 40, timeout=30, what="claimed")
     client = redis_client(redis_broker)
     assert client.llen("outbox") > 0  # tasks waiting in the broker
