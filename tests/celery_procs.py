@@ -152,6 +152,15 @@ class CeleryProcs:
             netns,
         )
 
+    def flower(self, port: int) -> Proc:
+        """Flower on loopback, as an operator runs it to watch the workers."""
+        return self._start(
+            "flower",
+            ["flower", f"--port={port}", "--address=127.0.0.1"],
+            # Flower 2 serves its JSON API only with auth or this opt-in.
+            {"FLOWER_UNAUTHENTICATED_API": "true"},
+        )
+
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()

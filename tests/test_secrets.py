@@ -1,7 +1,7 @@
 """Secrets never leave the process in anything a person reads: each path an
 operator found, tried for real.
 
-* ``celery report``, ``celery inspect conf`` (what Flower's worker page shows)
+* ``celery report``, ``celery inspect conf`` and Flower itself (its API and pages)
   and the example ``celeryconfig.py``: real ``celery`` subprocesses and a
   running worker;
 * ``repr(Settings)``, a mistyped publisher URL, libpq's connection errors;
@@ -222,6 +222,40 @@ def secret_relay(dsn: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
         procs.stop_all()
 
 
+def read_flower(procs: CeleryProcs, node: str, send: Any) -> dict[str, str]:
+    """Start Flower against the test's broker and fetch the pages that show
+    settings, tasks and the broker (JSON API and HTML alike); ``send()``
+    makes the relay deliver once Flower watches."""
+    import httpx
+
+    port = closed_port()  # free until Flower binds it
+    flower = procs.flower(port)
+    base = f"http://127.0.0.1:{port}"
+
+    def workers() -> str | None:
+        if not flower.alive():
+            raise AssertionError("Flower exited:\n" + flower.text()[-3000:])
+        try:
+            reply = httpx.get(f"{base}/api/workers?refresh=1", timeout=15)
+        except httpx.HTTPError:
+            return None
+        # Flower knows the worker once its config has been fetched.
+        return reply.text if reply.status_code == 200 and "outbox_dsn" in reply.text else None
+
+    def deliveries() -> str | None:
+        reply = httpx.get(f"{base}/api/tasks", timeout=15)
+        return reply.text if "outbox_relay.deliver" in reply.text else None
+
+    pages = {"/api/workers?refresh=1": wait_for(workers, timeout=60, what="Flower's workers")}
+    send()  # Flower sees the tasks sent after it started
+    pages["/api/tasks"] = wait_for(deliveries, timeout=60, what="a delivery in Flower")
+    for path in ("/tasks", f"/worker/{node}", "/broker", "/workers"):
+        reply = httpx.get(base + path, timeout=15)
+        assert reply.status_code == 200, (path, reply.status_code)
+        pages[path] = reply.text
+    return pages
+
+
 @pytest.mark.celery
 def test_a_running_relay_never_shows_its_secrets(
     secret_relay: dict[str, Any], dsn: str, tmp_path: Path
@@ -280,10 +314,17 @@ def test_a_running_relay_never_shows_its_secrets(
     assert plain.returncode == 0, plain.stderr
     assert_hidden(plain.stdout + plain.stderr, "outbox-relay status")
 
+    # Flower, as an operator opens it: the workers' settings, tasks, broker.
+    flower_pages = read_flower(secret_relay["procs"], node, send=lambda: kit.enqueue(dsn, 1))
+    for page, text in flower_pages.items():
+        assert_hidden(text, f"Flower's {page}")
+    assert "postgresql://postgres:****@" in flower_pages["/api/workers?refresh=1"]
+
     secret_relay["procs"].stop_all()
     for proc in secret_relay["procs"].procs:
         text = proc.text()
-        assert "DEBUG" in text or proc is secret_relay["beat"], text[-2000:]
+        # The worker logs at DEBUG; beat and Flower at their defaults.
+        assert "DEBUG" in text or proc.name != secret_relay["worker"].name, text[-2000:]
         assert_hidden(text, f"the log of {proc.name}")
 
 

@@ -25,6 +25,7 @@ from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
+from .compat import harden_redis_transport
 from .runtime import STARTUP_WAIT_SECONDS
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
@@ -145,6 +146,9 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.listener: NotifyListener | None = None
         self.connection: Any = None
         self.inst = getattr(worker.app, "outbox_relay", None)
+        # Before the consumer connects: a Redis outage must not end this
+        # worker (see compat.harden_redis_transport).
+        harden_redis_transport()
 
     def start(self, worker: Any) -> None:
         inst = self.inst

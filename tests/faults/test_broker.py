@@ -34,20 +34,16 @@ def test_redis_flushall_mid_run(
         run.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "open finding (docs/reliability.md): in 2 of 4 CI runs the relay stopped "
-        "consuming after Redis was SIGKILLed and restarted (400 pending, beat sending "
-        "claims; the worker log ends in kombu's redis transport: AttributeError in "
-        "restore_unacked on channel close). Runs every time; passes when it does not stall."
-    ),
-)
 def test_redis_restarted_empty_and_down_at_commit_time(
     dsn: str, fresh_database: str, tmp_path: Path, owned_redis: OwnedRedis
 ) -> None:
     """The broker dies (SIGKILL, no persistence), business transactions go on
-    committing while it is down, and it comes back empty 8 s later."""
+    committing while it is down, and it comes back empty 8 s later.
+
+    Found here: in about 1 run in 8, Celery's own recovery crashed the only
+    worker ("Unrecoverable error: AttributeError ... 'hostname'", a kombu
+    defect, replayed in tests/test_compat.py) and the relay stopped for good;
+    outbox_relay.celery.compat.harden_redis_transport keeps it alive."""
     run = Run("redis-restart", dsn, fresh_database, tmp_path, broker=owned_redis.url)
     try:
         run.workers(1)
@@ -63,6 +59,8 @@ def test_redis_restarted_empty_and_down_at_commit_time(
         )
         run.wait_finished(150)
         run.ledger(allow={LEASE_LOST})
+        crashed = [p.name for p in run.procs.procs if "Unrecoverable error" in p.text()]
+        assert not crashed, f"Celery's recovery crashed {crashed} (no worker restarts them here)"
     finally:
         run.close()
 

@@ -1,0 +1,66 @@
+"""Work-arounds for defects in Celery's stack that stop a relay worker.
+
+Each one is narrow (it changes behaviour only where the original would
+crash), idempotent, and says which defect it answers and how it was found,
+so that it can be dropped once upstream fixes the defect.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+__all__ = ["harden_redis_transport"]
+
+log = logging.getLogger("outbox_relay.celery")
+
+_MARK = "_outbox_relay_hardened"
+
+
+def harden_redis_transport() -> bool:
+    """Keep a Redis broker outage from killing the worker ("Unrecoverable error").
+
+    Found by the fault suite (tests/faults/test_broker.py, Redis SIGKILLed
+    while the worker is busy) and reproduced with a plain Celery app (Celery
+    and kombu 5.7): when the broker connection drops while the consumer's
+    channel waits in BRPOP, Celery's recovery first ``collect()``s the
+    connection. The channel's ``close()`` there fails reading its BRPOP reply
+    (a connection error, swallowed) *before* it marks itself closed, and
+    ``collect()`` then detaches the transport from its connection. Celery next
+    calls ``connection.close()``, which closes the channel again; this time it
+    gets as far as restoring its unacknowledged messages, which needs a new
+    Redis client, whose parameters it reads from the detached transport:
+    ``AttributeError: 'NoneType' object has no attribute 'hostname'``. That is
+    not a connection error, so it escapes Celery's ``ignore_errors`` and the
+    worker exits; the only relay worker gone, the relay stops for good unless
+    something restarts it.
+
+    Here, asking a detached transport for connection parameters raises Redis's
+    ``ConnectionError`` instead: Celery treats it as the connection error it
+    is and reconnects as usual. The unacknowledged messages then stay in
+    kombu's ``unacked`` hash (restored after ``visibility_timeout``) or, if the
+    broker lost them, their outbox rows' leases lapse and the relay sends them
+    again. Returns whether the transport was patched now.
+    """
+    try:
+        import redis.exceptions
+        from kombu.transport import redis as transport
+    except ImportError:  # pragma: no cover - the redis extra is not installed
+        return False
+    original: Any = getattr(transport.Channel, "_connparams", None)
+    if original is None or getattr(original, _MARK, False):
+        return False
+
+    def _connparams(self: Any, asynchronous: bool = False) -> Any:
+        if self.connection.client is None:
+            # The class kombu counts among the Redis transport's connection errors.
+            raise redis.exceptions.ConnectionError(
+                "the broker connection was closed while this channel was in use"
+            )
+        return original(self, asynchronous=asynchronous)
+
+    setattr(_connparams, _MARK, True)
+    _connparams.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(transport.Channel, "_connparams", _connparams)  # noqa: B010 - a patch, on purpose
+    log.debug("kombu's Redis transport hardened against close after collect")
+    return True
