@@ -141,9 +141,12 @@ echo "== duplicated tasks count one attempt per lease version (migration 0005): 
 check pass safety   "STRICT_ATTEMPTS"                 -DSTRICT_ATTEMPTS
 check pass safety   "STRICT_ATTEMPTS, no duplicates"  -DSTRICT_ATTEMPTS -DDUP=0
 
-echo "== what duplicated tasks and releases do today (docs/model.md): must fail"
+echo "== a release leaves a begun row to its delivery (unless_begun): must pass"
+check pass safety   "NO_STEAL"                        -DNO_STEAL
+
+echo "== duplicated tasks by design, and the release as it was (docs/model.md): must fail"
 check fail safety   "EXCLUSIVE"                       -DEXCLUSIVE
-check fail safety   "NO_STEAL"                        -DNO_STEAL
+check fail safety   "NO_STEAL, RELEASE_BEGUN"         -DNO_STEAL -DRELEASE_BEGUN
 
 if [ "$failures" -ne 0 ]; then
   echo "model/check.sh: $failures check(s) did not give the expected result" >&2

@@ -22,7 +22,9 @@
  *   NO_STEAL         assert that a release of an unpublished row (begin's
  *                    "too little lease left", a failed fan-out) never ends
  *                    the lease of a worker that began under the same version
- *                    and is publishing (fails: see docs/model.md).
+ *                    and is publishing (passes since the release leaves a
+ *                    begun row alone; with RELEASE_BEGUN it fails).
+ *   RELEASE_BEGUN    the release without its began_version guard.
  *   WEAK_FENCE       the fenced statements without their lease test
  *                    (`lease_until IS NOT NULL` / `>= now()`): a stale write
  *                    gets through, and the safety check must fail.
@@ -207,21 +209,35 @@ inline finalize_one(r, v, s, refund) {
 }
 
 /* A release (unpublished, nothing refunded) of row r under version v, by
- * worker `me` (NW: the claimer): with NO_STEAL, it must not end the lease
- * of another worker that began under v and is still publishing. */
-inline release(r, v, me, i) {
-#ifdef NO_STEAL
-  if
-  :: FENCE(r, v) ->
-       for (i : 0 .. NW - 1) {
-         assert(i == me || !(wr[i] == r && wv[i] == v &&
-                             (wst[i] == W_BEGUN || wst[i] == W_PUBLISHED)))
-       };
-       i = 0
-  :: else -> skip
-  fi;
+ * worker `me` (NW: the claimer): fan-out's failure path and a task whose
+ * begin found too little lease. queries.sql `finalize`/`finalize_one` with
+ * unless_begun: a row that some delivery began under the current version
+ * (began_version = lease_version) is left to that delivery. With NO_STEAL,
+ * assert that a release that does go through never ends the lease of
+ * another worker that began under v and is still publishing.
+ * RELEASE_BEGUN: the release without that guard, as it was (NO_STEAL fails). */
+#ifdef RELEASE_BEGUN
+#define RELEASE_LEFT(r) (0)
+#else
+#define RELEASE_LEFT(r) (begun[r])
 #endif
-  finalize_one(r, v, PENDING, 0)
+inline release(r, v, me, i) {
+  if
+  :: FENCE(r, v) && RELEASE_LEFT(r) -> skip
+  :: else ->
+#ifdef NO_STEAL
+       if
+       :: FENCE(r, v) ->
+            for (i : 0 .. NW - 1) {
+              assert(i == me || !(wr[i] == r && wv[i] == v &&
+                                  (wst[i] == W_BEGUN || wst[i] == W_PUBLISHED)))
+            };
+            i = 0
+       :: else -> skip
+       fi;
+#endif
+       finalize_one(r, v, PENDING, 0)
+  fi
 }
 
 /* queries.sql `rescue`: every expired lease goes back to pending, or to dead

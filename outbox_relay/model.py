@@ -94,6 +94,9 @@ class Outcome:
     delay: timedelta = timedelta(0)
     refund_attempt: bool = False
     error: str | None = None
+    # Written only if no delivery began the row under this lease version
+    # (a release by someone other than that delivery).
+    unless_begun: bool = False
 
     @classmethod
     def done(cls, ref: LeaseRef | Claimed) -> Outcome:
@@ -112,15 +115,26 @@ class Outcome:
 
     @classmethod
     def release(
-        cls, ref: LeaseRef | Claimed, *, reason: str, refund_attempt: bool = False
+        cls,
+        ref: LeaseRef | Claimed,
+        *,
+        reason: str,
+        refund_attempt: bool = False,
+        unless_begun: bool = False,
     ) -> Outcome:
         """Give a row back unpublished, due at once (``refund_attempt``: an
-        attempt was counted for it and never used)."""
-        return cls.retry(
-            ref,
-            delay=timedelta(0),
-            error=f"released unpublished: {reason}",
-            refund_attempt=refund_attempt,
+        attempt was counted for it and never used). ``unless_begun``: the
+        caller is not the delivery that began the row (the fan-out, a
+        duplicated task), so a row some delivery began under this lease is
+        left to that delivery."""
+        return cls(
+            ref.id,
+            ref.lease_version,
+            "pending",
+            timedelta(0),
+            refund_attempt,
+            f"released unpublished: {reason}",
+            unless_begun,
         )
 
     @classmethod

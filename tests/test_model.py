@@ -84,14 +84,22 @@ def test_the_historical_freeze_is_not_a_safety_bug() -> None:
     [
         # The fence without its lease test lets a stale write through.
         ("-DWEAK_FENCE", "assertion violated  !(ended[r])"),
-        # A release takes the lease of a delivery that began (docs/model.md).
-        ("-DNO_STEAL", "assertion violated"),
+        # Without its began_version guard, a release takes the lease of a
+        # delivery that began (docs/model.md, finding 2).
+        ("-DNO_STEAL -DRELEASE_BEGUN", "assertion violated"),
     ],
 )
 def test_the_checker_finds_known_violations(define: str, violated: str) -> None:
-    out = pan("safety", define)
+    out = pan("safety", *define.split())
     assert violated in out, out
     assert errors(out) == 1, out
+
+
+def test_a_release_never_takes_the_lease_of_a_delivery_that_began() -> None:
+    # It failed before the release left begun rows alone (unless_begun).
+    out = pan("safety", "-DNO_STEAL")
+    complete(out)
+    assert errors(out) == 0, out
 
 
 def test_duplicated_tasks_never_push_attempts_past_the_limit() -> None:

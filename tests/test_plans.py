@@ -207,6 +207,7 @@ def one_params(message_id: int) -> dict[str, Any]:
         "delay": timedelta(0),
         "refund": 0,
         "error": None,
+        "unless_begun": False,
         "now": None,
     }
 
@@ -220,6 +221,7 @@ def finalize_params(ids: list[int]) -> dict[str, Any]:
         "delays": [timedelta(0)] * n,
         "refunds": [0] * n,
         "errors": [None] * n,
+        "unless_begun": [False] * n,
         "now": None,
     }
 
@@ -332,6 +334,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "delays": "'{0,0,0}'::interval[]",
         "refunds": "'{0,0,0}'::int[]",
         "errors": "'{NULL,NULL,NULL}'::text[]",
+        "unless_begun": "'{f,f,f}'::bool[]",
         "now": "NULL::timestamptz",
         "owner": "'w'",
         "batch": "50",

@@ -27,6 +27,7 @@ from outbox_relay import (
     store,
 )
 from outbox_relay.db import PoolDatabase
+from outbox_relay.model import Outcome
 from outbox_relay.store._base import queries
 
 LEASE = timedelta(seconds=30)
@@ -113,6 +114,39 @@ def test_a_duplicated_delivery_task_counts_one_attempt(conn: psycopg.Connection[
     for _ in range(2):
         one = store.begin(conn, [again[0].ref], needed=needed)[again[0].id]
         assert one.started and one.claimed.attempts == 2
+
+
+def test_a_release_never_takes_a_row_from_the_delivery_that_began_it(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Fan-out failed after one task reached a worker and began publishing:
+    the fan-out's release gives back only the row nobody began; the begun one
+    stays leased, and its delivery's own finalize still counts (found by the
+    protocol model, docs/model.md finding 2: the release used to end that
+    lease mid-publish and force a duplicate)."""
+    begun_id, idle_id = seed(conn, 2)
+    claimed = {m.id: m for m in relay_claimer(conn).run_once().claimed}
+    store.begin(conn, [claimed[begun_id].ref], needed=timedelta(seconds=1))
+    # fanout.release and a duplicated task's "too little lease" both say unless_begun.
+    released = store.finalize(
+        conn,
+        [Outcome.release(m, reason="fan-out failed", unless_begun=True) for m in claimed.values()],
+    )
+    assert released == {idle_id}
+    by_id = {r[0]: r for r in rows(conn)}
+    assert by_id[idle_id][1] == "pending" and by_id[begun_id][1] == "processing"
+    # The same for the one-row statement (finalize_one).
+    assert not store.finalize(
+        conn, [Outcome.release(claimed[begun_id], reason="dup", unless_begun=True)]
+    )
+    # The delivery that began it finishes under its lease as usual...
+    assert store.mark_done(conn, claimed[begun_id])
+    # ...and the delivery itself may still give back a row it began
+    # (unless_begun=False: published nothing, e.g. its hold was lost).
+    again = relay_claimer(conn).run_once().claimed
+    assert [m.id for m in again] == [idle_id]
+    store.begin(conn, [again[0].ref], needed=timedelta(seconds=1))
+    assert store.finalize(conn, [Outcome.release(again[0], reason="hold lost")]) == {idle_id}
 
 
 def test_a_row_out_of_attempts_goes_dead_at_the_claim(conn: psycopg.Connection[Any]) -> None:

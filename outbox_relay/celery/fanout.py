@@ -37,7 +37,10 @@ def release(db: Database, settings: Settings, claimed: Sequence[Claimed], reason
     """Give rows back at once instead of waiting out their lease (nothing was counted)."""
     if not claimed:
         return
-    outcomes = [Outcome.release(c, reason=reason) for c in claimed]
+    # unless_begun: a task that did reach a worker and began is publishing
+    # under this very lease; taking the row from it would only force a
+    # duplicate (docs/model.md, finding 2).
+    outcomes = [Outcome.release(c, reason=reason, unless_begun=True) for c in claimed]
     try:
         db.run(lambda conn: finalize(conn, outcomes, table=settings.outbox_table))
     except Exception:

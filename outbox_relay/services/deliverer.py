@@ -208,6 +208,9 @@ class Deliverer:
                     f"a delivery may take {worst:g}s)",
                     # Counted by the claim (count_attempt=False) but never used.
                     refund_attempt=not self.count_attempt,
+                    # Not begun by this task: if a copy of it began the row
+                    # under this lease, that copy is publishing; leave it.
+                    unless_begun=True,
                 )
             )
             self.observer.stale(ref, "too little lease left")

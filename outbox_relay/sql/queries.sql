@@ -256,6 +256,11 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
 -- implies the predicates of the leased and unfinished partial indexes, and
 -- with thin statistics the planner may then scan one of those whole indexes
 -- instead of probing the primary key (tests/test_plans.py guards this).
+-- An outcome marked unless_begun (a row given back unpublished by someone
+-- other than the delivery that began it: fan-out's failure path, a
+-- duplicated task that found too little lease) leaves a row whose delivery
+-- began under this lease version to that delivery, so a release never ends
+-- a lease in the middle of its publish (docs/model.md, finding 2).
 UPDATE {table} AS o
    SET status       = v.status,
        available_at = CASE WHEN v.status = 'pending'
@@ -268,16 +273,18 @@ UPDATE {table} AS o
        lease_owner  = NULL,
        lease_until  = NULL
   FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[],
-              %(delays)s::interval[], %(refunds)s::int[], %(errors)s::text[])
-       AS v(id, version, status, delay, refund, error)
+              %(delays)s::interval[], %(refunds)s::int[], %(errors)s::text[],
+              %(unless_begun)s::bool[])
+       AS v(id, version, status, delay, refund, error, unless_begun)
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
+   AND NOT (v.unless_begun AND o.began_version IS NOT DISTINCT FROM o.lease_version)
 RETURNING o.id;
 
 -- name: finalize_one
 -- finalize for one message, with plain parameters (see begin_one).
--- The same fence: id, lease_version and a live lease.
+-- The same fence: id, lease_version, a live lease, and unless_begun.
 UPDATE {table} AS o
    SET status       = %(status)s,
        available_at = CASE WHEN %(status)s = 'pending'
@@ -292,6 +299,7 @@ UPDATE {table} AS o
  WHERE o.id = %(id)s
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
+   AND NOT (%(unless_begun)s AND o.began_version IS NOT DISTINCT FROM o.lease_version)
 RETURNING o.id;
 
 -- name: extend_lease

@@ -200,6 +200,7 @@ def _finalize_params(o: Outcome) -> tuple[Any, ...]:
         max(o.delay, timedelta(0)),
         1 if o.refund_attempt else 0,
         clip(o.error),
+        o.unless_begun,
     )
 
 
@@ -215,13 +216,13 @@ def finalize(
         return set()
     q = queries(table)
     if len(outcomes) == 1:
-        keys = ("id", "version", "status", "delay", "refund", "error")
+        keys = ("id", "version", "status", "delay", "refund", "error", "unless_begun")
         one = dict(zip(keys, _finalize_params(outcomes[0])), now=now)
         with statement_tx(conn):
             rows = conn.execute(q.finalize_one, one).fetchall()
         return {r[0] for r in rows}
     columns = list(zip(*(_finalize_params(o) for o in outcomes)))
-    keys = ("ids", "versions", "statuses", "delays", "refunds", "errors")
+    keys = ("ids", "versions", "statuses", "delays", "refunds", "errors", "unless_begun")
     params = dict(zip(keys, (list(c) for c in columns)), now=now)
     with statement_tx(conn):
         rows = conn.execute(q.finalize, params).fetchall()
