@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from outbox_relay.inbox import InboxTask
 from outbox_relay.publishers import CeleryTaskPublisher, resolve_publisher
 
 from . import services
+from .apps import kit
 from .celery_procs import CeleryProcs, Proc, wait_for
 
 pytestmark = pytest.mark.celery
@@ -46,39 +46,6 @@ CREATE TABLE runs (
 CREATE TABLE attempts (key text NOT NULL, pid int NOT NULL);
 CREATE TABLE effects (key text NOT NULL, amount int NOT NULL, pid int NOT NULL);
 """
-
-
-class EventTap:
-    """Collects the Celery events on the broker, as Flower does."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with self.app.connection() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
-                self._ready.set()
-                while not self._stop.is_set():
-                    with contextlib.suppress(TimeoutError, OSError):
-                        connection.drain_events(timeout=0.5)
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.events) if e.get("type") == kind]
-
-    def __enter__(self) -> EventTap:
-        self._thread.start()
-        assert self._ready.wait(10)
-        time.sleep(0.3)  # subscribed before anything is sent
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture
@@ -115,12 +82,6 @@ def procs(tmp_path: Path) -> Iterator[Any]:
 def _queue() -> str:
     # The broker is shared: names of this test's own.
     return f"pl-{uuid.uuid4().hex[:10]}"
-
-
-def _client(broker: str) -> Celery:
-    app = Celery("pipeline-client", broker=broker, set_as_current=False)
-    app.conf.update(task_serializer="json", accept_content=["json"])
-    return app
 
 
 def _enqueue(dsn: str, n: int, payload: dict[str, Any] | None = None) -> int:
@@ -342,7 +303,7 @@ def test_flower_sees_the_outbox_row_never_the_payload(pipeline_dsn, procs) -> No
     )
     worker = p.worker()  # -E: sends task events, as for Flower
     ours = _pool_pids(worker)  # the broker is shared: only our worker's events
-    with EventTap(_client(broker)) as tap:
+    with kit.EventTap(kit.client_app(broker)) as tap:
         message_id = _enqueue(pipeline_dsn, 3)
         wait_for(lambda: _rows(pipeline_dsn, "SELECT 1 FROM runs"), timeout=60, what="ran")
         task_id = f"outbox-{message_id}"
@@ -398,7 +359,7 @@ def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
     )
     worker = p.worker()
     ours = _pool_pids(worker)  # the broker is shared: only our worker's events
-    with EventTap(_client(broker)) as tap:
+    with kit.EventTap(kit.client_app(broker)) as tap:
         message_id = _enqueue(dsn, 9, {"fail": "permanent", "email": "x@example.com"})
         dead = wait_for(
             lambda: [
@@ -444,7 +405,7 @@ def _send_apply(
 ) -> None:
     """A fresh broker message for ``pipeline.apply`` (``declare=[]``: leave the
     queue to the worker, which declares it with its dead-letter arguments)."""
-    with contextlib.closing(_client(broker)) as client:
+    with contextlib.closing(kit.client_app(broker)) as client:
         client.send_task(
             "pipeline.apply", kwargs=kwargs, task_id=task_id, queue=queue, declare=declare
         )

@@ -24,6 +24,7 @@ import outbox_relay
 from outbox_relay import NewMessage
 
 from . import services
+from .apps import kit
 from .apps.recording import DDL
 from .celery_procs import CeleryProcs, counts, wait_for
 
@@ -238,7 +239,7 @@ def test_stale_task_does_not_publish(recorded_dsn, redis_broker, procs_factory):
         conn.execute("UPDATE outbox SET lease_until = now() - interval '1 second'")
         [second] = outbox_relay.claim(conn, owner="b", batch=1, lease=timedelta(seconds=30))
     assert second.lease_version == first.lease_version + 1
-    app = _client_app(redis_broker)
+    app = kit.client_app(redis_broker)
     app.send_task("outbox_relay.deliver", args=(message_id, first.lease_version), queue="outbox")
     wait_for(
         lambda: "outbox_relay.deliver" in worker.text() and "succeeded" in worker.text(),
@@ -258,7 +259,7 @@ def test_stale_publish_finalize_is_fenced_and_logged(recorded_dsn, redis_broker,
         [message_id] = outbox_relay.enqueue_many(
             conn, [NewMessage("order", "1", "order.created", {"sleep": 3})]
         )
-    app = _client_app(redis_broker)
+    app = kit.client_app(redis_broker)
     app.send_task("outbox_relay.claim", queue="outbox")
     wait_for(lambda: "outbox_relay.deliver[" in worker.text(), timeout=30, what="delivery start")
     time.sleep(0.5)  # the publish is now sleeping inside the worker
@@ -402,47 +403,6 @@ def test_beat_refuses_to_start_instead_of_running_an_empty_schedule(
 
 
 # --------------------------------------------------------------------------- helpers
-class EventTap:
-    """Collects the Celery events that workers started with -E send (what Flower reads)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with self.app.connection() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
-                self._ready.set()
-                while not self._stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        connection.drain_events(timeout=0.5)
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.events) if e.get("type") == kind]
-
-    def __enter__(self) -> EventTap:
-        self._thread.start()
-        self._ready.wait(10)
-        time.sleep(0.3)  # the subscription is in place before anything is sent
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-def _client_app(broker: str) -> Any:
-    from celery import Celery
-
-    app = Celery("test-client", broker=broker)
-    app.conf.task_serializer = "json"
-    return app
-
-
 def _row(dsn: str, message_id: int) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = outbox_relay.store.get_row(conn, message_id)

@@ -27,7 +27,7 @@ from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
 from ..outbox import Outbox
 from . import names
-from .runtime import STARTUP_WAIT_SECONDS, Installation
+from .runtime import Installation
 from .tasks import register_tasks
 
 __all__ = ["install"]
@@ -178,10 +178,7 @@ def _check_beat(app: Any, inst: Installation) -> None:
         if getattr(sender, "app", app) is not app:
             return
         try:
-            if inst.config_error is not None:
-                raise inst.config_error
-            inst.validate()
-            inst.check_database(wait_seconds=STARTUP_WAIT_SECONDS)
+            inst.check_start()
         except ConfigError as exc:
             log.critical("outbox-relay: beat cannot start: %s", exc)
             # Celery's signal dispatch swallows exceptions; SystemExit is not

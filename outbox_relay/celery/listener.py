@@ -26,7 +26,6 @@ from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
 from .compat import harden_redis_transport
-from .runtime import STARTUP_WAIT_SECONDS
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
@@ -160,10 +159,7 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             if not relays_here(worker, inst):
                 return
-            if inst.config_error is not None:
-                raise inst.config_error
-            inst.validate()
-            inst.check_database(wait_seconds=STARTUP_WAIT_SECONDS)
+            inst.check_start()
         except ConfigError as exc:
             log.critical("outbox-relay cannot start: %s", exc)
             raise SystemExit(1) from None

@@ -235,6 +235,16 @@ class Installation:
         )
 
     # --------------------------------------------------------- validation
+    def check_start(self) -> None:
+        """What a relay worker or beat checks before it starts: settings that
+        could not even be read, the settings themselves, and the database
+        (waited for up to STARTUP_WAIT_SECONDS while it refuses connections
+        or is starting). Raises ConfigError naming the problem."""
+        if self.config_error is not None:
+            raise self.config_error
+        self.validate()
+        self.check_database(wait_seconds=STARTUP_WAIT_SECONDS)
+
     def validate(self) -> None:
         """Check the settings and that the timeouts nest; raise ConfigError naming them.
 
