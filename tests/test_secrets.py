@@ -642,3 +642,19 @@ def test_celery_outbox_command_reads_the_dsn_file(dsn: str, tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr
     assert "postgresql://postgres:****@" in done.stdout
     assert_hidden(done.stdout + done.stderr, "celery outbox status")
+
+
+def test_the_inbox_dsn_is_masked_in_celery_settings_and_used_whole() -> None:
+    from outbox_relay.inbox import InboxTask
+
+    app = Celery("inbox-secrets", set_as_current=False)
+    dsn = f"postgresql://shop:{DB_PASSWORD_IN_URL}@db.internal/shop"
+    app.conf.outbox_inbox_dsn = dsn
+    hide_secrets(app.conf)
+    assert_hidden(repr(app.conf.get("outbox_inbox_dsn")), "app.conf.outbox_inbox_dsn")
+
+    @app.task(base=InboxTask, bind=True, shared=False)
+    def apply(self: Any) -> None: ...
+
+    # The task connects with the real password, not the mask.
+    assert apply._inbox_dsn() == dsn

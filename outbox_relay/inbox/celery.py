@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 from celery import Task
 
+from .._redact import reveal
 from ..errors import ConfigError
 from .core import (
     ConnectionFactory,
@@ -130,7 +131,8 @@ class InboxTask(Task):  # type: ignore[misc]  # celery is untyped
             os.environ.get("OUTBOX_DSN"),
         ):
             if found:
-                return str(found)
+                # Celery settings hold DSNs as masked Secrets (config.hide_secrets).
+                return str(reveal(found))
         raise ConfigError(
             f"task {self.name} has no inbox database: set inbox_dsn on the task, the Celery "
             "setting outbox_inbox_dsn, or OUTBOX_INBOX_DSN, or install(app, dsn=...)"
