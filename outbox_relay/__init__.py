@@ -119,7 +119,7 @@ def __getattr__(name: str) -> Any:
         return install
     if name == "aio":
         # outbox_relay.aio.enqueue(...) after a plain ``import outbox_relay``.
-        from . import aio
+        import importlib
 
-        return aio
+        return importlib.import_module(".aio", __name__)
     raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")
