@@ -35,7 +35,7 @@ from ..producer import NewMessage
 from ..store.aio import begin_sqlalchemy_transaction, is_asyncpg
 from ..table import OutboxTable
 
-__all__ = ["driver_connection", "enqueue", "enqueue_many"]
+__all__ = ["driver_connection", "enqueue", "enqueue_many", "migrate"]
 
 
 async def driver_connection(bind: AsyncSession | AsyncConnection) -> Any:
@@ -127,3 +127,10 @@ async def enqueue_many(
         max_payload_bytes=max_payload_bytes,
         now=now,
     )
+
+
+async def migrate(
+    bind: AsyncSession | AsyncConnection, *, table: OutboxTable | str | None = None
+) -> list[int]:
+    """``outbox_relay.aio.migrate`` in ``bind``'s transaction (commit it to keep the schema)."""
+    return await aio.migrate(await driver_connection(bind), table=table)
