@@ -1,7 +1,9 @@
-"""OpenTelemetry for the tests: one SDK provider per test process, spans kept in memory.
+"""OpenTelemetry for the tests: an SDK provider of their own, spans kept in memory.
 
-The global tracer provider can be set once per process; every test that
-traces shares this one and reads the spans it finished.
+Never the global provider: other tests in the same process (xdist) expect
+the relay's default, which without a configured SDK forwards a row's trace
+headers unchanged. Producers need no provider (enqueue reads the current
+span from the context); the relay is given ``publish_tracer()``.
 """
 
 from __future__ import annotations
@@ -13,25 +15,33 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from outbox_relay.tracing import PublishTracer
+
 _lock = threading.Lock()
 _exporter: InMemorySpanExporter | None = None
+_provider: TracerProvider | None = None
 
 
 def exporter() -> InMemorySpanExporter:
     """The process's in-memory exporter (installing the provider on first use)."""
-    global _exporter
+    global _exporter, _provider
     with _lock:
         if _exporter is None:
-            provider = TracerProvider()
+            _provider = TracerProvider()
             _exporter = InMemorySpanExporter()
-            provider.add_span_processor(SimpleSpanProcessor(_exporter))
-            trace.set_tracer_provider(provider)
+            _provider.add_span_processor(SimpleSpanProcessor(_exporter))
         return _exporter
 
 
 def tracer() -> trace.Tracer:
     exporter()
-    return trace.get_tracer("outbox-relay-tests")
+    assert _provider is not None
+    return _provider.get_tracer("outbox-relay-tests")
+
+
+def publish_tracer() -> PublishTracer:
+    """The relay's tracer on this provider (``dispatch_once(..., tracer=...)``)."""
+    return PublishTracer(tracer())
 
 
 def hex_ids(span: ReadableSpan) -> tuple[str, str, str | None]:
