@@ -23,6 +23,7 @@ import outbox_relay
 from outbox_relay import Message, OperationKeyConflict, RetryableError
 
 from .otel import exporter, hex_ids, publish_tracer, tracer
+from .test_producer import order_created as order
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE = timedelta(seconds=30)
@@ -32,17 +33,6 @@ LEASE = timedelta(seconds=30)
 def no_earlier_spans() -> None:
     # Row ids restart in every test's database; spans of earlier tests would match.
     exporter().clear()
-
-
-def order(conn: psycopg.Connection[Any], **kw: Any) -> int:
-    fields: dict[str, Any] = {
-        "aggregate_type": "order",
-        "aggregate_id": "1",
-        "event_type": "order.created",
-        "payload": {"id": 1},
-    }
-    fields.update(kw)
-    return outbox_relay.enqueue(conn, **fields)
 
 
 def headers_of(conn: psycopg.Connection[Any], message_id: int) -> dict[str, Any]:
