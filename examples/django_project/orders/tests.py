@@ -8,15 +8,26 @@ The outbox table is not a Django model, so each test empties it itself.
 from decimal import Decimal
 
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client, TransactionTestCase
 
 import outbox_relay
-from outbox_relay import store
-from outbox_relay.integrations.django import psycopg_connection
+from outbox_relay import InvalidMessage, OperationKeyConflict, store
+from outbox_relay.integrations.django import enqueue, psycopg_connection
 
 from .models import Order
 from .services import PaymentDeclined, place_order
+
+
+def event(aggregate_id: int, **kw: object) -> dict:
+    fields = {
+        "aggregate_type": "order",
+        "aggregate_id": aggregate_id,
+        "event_type": "order.created",
+        "payload": {"id": aggregate_id},
+    }
+    fields.update(kw)
+    return fields
 
 
 def outbox_rows() -> list[tuple]:
@@ -53,6 +64,44 @@ class OutboxTests(TransactionTestCase):
             place_order("bob", Decimal("1"), decline=True)
         self.assertFalse(Order.objects.exists())
         self.assertEqual(outbox_rows(), [])
+
+    def test_an_operation_key_conflict_raises_and_the_atomic_block_goes_on(self) -> None:
+        order = place_order("eve", Decimal("2"))
+        key = f"order-created-{order.pk}"
+        same = {"id": order.pk, "customer": "eve", "total": "2"}
+        with connection.cursor() as cur:
+            cur.execute("SELECT id FROM outbox")
+            [(first,)] = cur.fetchall()
+        with transaction.atomic():
+            # The same operation again: the same message.
+            self.assertEqual(enqueue(**event(order.pk, operation_key=key, payload=same)), first)
+            with self.assertRaises(OperationKeyConflict):
+                enqueue(**event(order.pk, operation_key=key))  # other content
+            Order.objects.create(customer="after the conflict", total=Decimal("1"))
+        self.assertEqual([r[0] for r in outbox_rows()], [str(order.pk)])
+        self.assertTrue(Order.objects.filter(customer="after the conflict").exists())
+
+    def test_a_refused_message_leaves_the_atomic_block_usable(self) -> None:
+        with transaction.atomic():
+            with self.assertRaisesMessage(InvalidMessage, "payload must be JSON-serializable"):
+                enqueue(**event(1, payload={"when": object()}))
+            Order.objects.create(customer="still here", total=Decimal("1"))
+        self.assertTrue(Order.objects.filter(customer="still here").exists())
+        self.assertEqual(outbox_rows(), [])
+
+    def test_an_ordered_event_holds_its_aggregates_lock_until_commit(self) -> None:
+        def advisory_locks() -> int:
+            with connection.cursor() as cur:
+                cur.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND pid = pg_backend_pid()"
+                )
+                return cur.fetchone()[0]
+
+        with transaction.atomic():
+            enqueue(**event(3))  # order.* is ordered in settings.py
+            self.assertEqual(advisory_locks(), 1)
+        self.assertEqual(advisory_locks(), 0)
 
     def test_the_json_view_places_an_order(self) -> None:
         response = Client().post(
