@@ -368,3 +368,18 @@ def test_outbox_aio_uses_the_outboxs_settings(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT ordered FROM outbox WHERE id = %s", (message_id,)).fetchone()
     assert row == (True,)
+
+
+def test_asyncpg_transaction_begun_by_hand_is_refused_with_a_clear_error(dsn: str) -> None:
+    async def main() -> int:
+        conn = await asyncpg.connect(**asyncpg_kwargs(dsn))
+        try:
+            await conn.execute("BEGIN")
+            with pytest.raises(TypeError, match=r"async with conn\.transaction\(\)"):
+                await aio.enqueue(conn, **event(1))
+            await conn.execute("ROLLBACK")
+            return int(await conn.fetchval("SELECT count(*) FROM outbox"))
+        finally:
+            await conn.close()
+
+    assert asyncio.run(main()) == 0

@@ -133,7 +133,7 @@ def _check(conn: Any) -> None:
 async def _in_savepoint(conn: AsyncConn, plan: Plan[T], table: OutboxTable) -> T:
     """Run ``plan`` in a nested transaction: a savepoint inside the caller's."""
     if is_asyncpg(conn):
-        from asyncpg.exceptions import UndefinedColumnError, UndefinedTableError
+        from asyncpg.exceptions import InterfaceError, UndefinedColumnError, UndefinedTableError
 
         try:
             # Inside a transaction asyncpg manages (conn.transaction(), or
@@ -144,6 +144,15 @@ async def _in_savepoint(conn: AsyncConn, plan: Plan[T], table: OutboxTable) -> T
                 return await _run_asyncpg(conn, plan)
         except (UndefinedTableError, UndefinedColumnError) as exc:
             raise missing_table(table, str(exc)) from None
+        except InterfaceError as exc:
+            if "manually started transaction" not in str(exc):
+                raise
+            # Nothing was written: asyncpg refused before the savepoint.
+            raise TypeError(
+                "outbox_relay.aio on asyncpg needs the caller's transaction begun with "
+                "`async with conn.transaction():`, not by executing BEGIN (asyncpg then "
+                "refuses the savepoint enqueue writes in)"
+            ) from None
     try:
         async with conn.transaction():
             return await _run_psycopg(conn, plan)
