@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,29 @@ def test_a_celery_task_gets_the_trace_as_a_top_level_header() -> None:
     assert headers["traceparent"] == parent
     assert "id" not in headers  # only the trace headers come up to the top
     assert headers["outbox-headers"] == message.headers
+
+
+def test_a_broker_message_carries_the_publish_spans_traceparent(
+    conn: psycopg.Connection[Any],
+) -> None:
+    from outbox_relay.publishers import resolve_publisher
+
+    from . import services
+    from .test_publisher_broker import Bound
+
+    url = services.redis_url()
+    names = f"ex-{uuid.uuid4().hex[:8]}", f"q-{uuid.uuid4().hex[:8]}"
+    bound = Bound(url, names[0], names[1], "order.*")
+    publisher = resolve_publisher(url, publish_timeout_seconds=5.0, kombu_exchange=names[0])
+    try:
+        with tracer().start_as_current_span("place order") as producer:
+            message_id = order(conn)
+        assert deliver(conn, publisher) == 1
+        [message] = bound.drain()
+    finally:
+        publisher.close()  # type: ignore[attr-defined]
+        bound.close()
+    [span] = publish_spans(message_id)
+    trace_id, span_id, parent = hex_ids(span)
+    assert parent == hex_ids(producer)[1]  # type: ignore[arg-type]
+    assert message.headers["traceparent"].split("-")[1:3] == [trace_id, span_id]

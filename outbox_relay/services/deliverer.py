@@ -229,11 +229,17 @@ class Deliverer:
         started = time.perf_counter()
         message = msg.to_message(self.prefix)
         span = self.tracer.start(message) if self.tracer is not None else None
+        # For the span: the row's next status ("interrupted" if the publish
+        # never returned, e.g. the worker is shutting down).
+        outcome: str = "interrupted"
+        error: BaseException | None = None
         try:
             self.publisher(span.message if span is not None else message)
+            outcome = "done"
         except Exception as exc:
+            error = exc
             if span is not None:
-                span.end(classify(exc, msg, self.policy, age_seconds=row.age_seconds).status, exc)
+                outcome = classify(exc, msg, self.policy, age_seconds=row.age_seconds).status
             if not self.policy.is_classified(exc):
                 log.error(
                     "publisher raised an unclassified error for outbox message %s; "
@@ -242,8 +248,9 @@ class Deliverer:
                     exc_info=exc,
                 )
             return exc, time.perf_counter() - started
-        if span is not None:
-            span.end("done")
+        finally:
+            if span is not None:
+                span.end(outcome, error)
         return None, time.perf_counter() - started
 
     def publish_one(self, row: Began) -> tuple[BaseException | None, float]:
