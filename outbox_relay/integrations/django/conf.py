@@ -18,6 +18,7 @@ from django.db import connections
 from psycopg.conninfo import make_conninfo
 
 from ...config import ProducerSettings
+from ...errors import ConfigError
 from ...outbox import Outbox, configure
 
 __all__ = ["database_alias", "install", "outbox", "relay_settings"]
@@ -33,7 +34,7 @@ def database_alias() -> str:
     """The ``DATABASES`` alias that holds the outbox (``OUTBOX_DATABASE``, default "default")."""
     alias = getattr(django_settings, _DATABASE, "default")
     if alias not in connections:
-        raise ValueError(f"{_DATABASE} = {alias!r} is not a database in DATABASES")
+        raise ConfigError(f"{_DATABASE} = {alias!r} is not a database in DATABASES")
     return str(alias)
 
 
@@ -94,7 +95,7 @@ def install(app: Any, **overrides: Any) -> Any:
 
     producer_keys = sorted(_PRODUCER_FIELDS.intersection(overrides))
     if producer_keys:
-        raise ValueError(
+        raise ConfigError(
             f"install(): set {', '.join('OUTBOX_' + k.upper() for k in producer_keys)} in "
             "settings.py instead, so that producers and the relay share them"
         )
