@@ -121,6 +121,16 @@ class OutboxTests(TransactionTestCase):
         # No OUTBOX_DSN: the relay connects to DATABASES["default"].
         self.assertIn(f"dbname={connection.settings_dict['NAME']}", relay.require_dsn())
 
+    def test_producer_settings_belong_to_settings_py(self) -> None:
+        from celery import Celery
+
+        from outbox_relay import ConfigError
+        from outbox_relay.integrations.django import install
+
+        # The table and ordering are shared with producers: settings.py only.
+        with self.assertRaisesMessage(ConfigError, "set OUTBOX_TABLE in settings.py"):
+            install(Celery("other"), table="elsewhere")
+
 
 class DeadLetterAdminTests(TransactionTestCase):
     url = "/admin/outbox/dead-letters/"
