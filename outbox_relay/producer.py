@@ -85,8 +85,11 @@ def _params(
     headers = dict(msg.headers or {})
     if not all(isinstance(k, str) for k in headers):
         raise InvalidMessage("header names must be strings")
-    if trace and not any(k.lower() in tracing.TRACE_HEADERS for k in headers):
-        headers.update(trace)
+    present = {k.lower() for k in headers}
+    if trace and "traceparent" not in present:
+        # A traceparent the caller passed wins (with its tracestate); other
+        # headers the caller set are kept as given.
+        headers.update({k: v for k, v in trace.items() if k not in present})
     key = msg.operation_key
     if key is not None and (not isinstance(key, str) or not key):
         raise InvalidMessage("operation_key must be a non-empty string or None")

@@ -113,6 +113,12 @@ def test_a_traceparent_given_by_the_caller_wins(conn: psycopg.Connection[Any]) -
     with tracer().start_as_current_span("ignored"):
         message_id = order(conn, headers={"traceparent": given})
     assert headers_of(conn, message_id) == {"traceparent": given}
+    # Other headers of the caller's are kept beside the recorded trace.
+    with tracer().start_as_current_span("recorded") as span:
+        other = order(conn, headers={"baggage": "tenant=7", "x-tenant": "7"})
+    stored = headers_of(conn, other)
+    assert stored["baggage"] == "tenant=7" and stored["x-tenant"] == "7"
+    assert stored["traceparent"].split("-")[2] == hex_ids(span)[1]  # type: ignore[arg-type]
 
 
 # The same scenario in a fresh interpreter in which opentelemetry cannot be
