@@ -17,8 +17,9 @@ operation-key rules, ordering lock, NOTIFY at commit):
 * ``postgresql+asyncpg``: the same statements, numbered for asyncpg
   (``store.aio.asyncpg_query``), on the asyncpg connection under it.
 
-SQLAlchemy's transaction is begun first (through SQLAlchemy), so the message
-is written inside it and commits or rolls back with it.
+SQLAlchemy's transaction is begun first (through SQLAlchemy, where the
+asyncpg adapter has not begun it yet), so the message is written inside it
+and commits or rolls back with it.
 """
 
 from __future__ import annotations
@@ -56,15 +57,18 @@ async def driver_connection(bind: AsyncSession | AsyncConnection) -> Any:
             " (for a sync Session use outbox_relay.integrations.sqlalchemy)"
         )
     raw = await connection.get_raw_connection()
-    driver = raw.driver_connection
+    driver: Any = raw.driver_connection
     if not (isinstance(driver, psycopg.AsyncConnection) or is_asyncpg(driver)):
         raise TypeError(
             "outbox_relay.integrations.sqlalchemy_asyncio needs the postgresql+psycopg or "
             f"postgresql+asyncpg dialect; this engine's driver is {type(driver).__name__}"
         )
-    # SQLAlchemy begins the driver's transaction at its first statement;
-    # make that happen now, so the outbox statements run inside it.
-    await begin_sqlalchemy_transaction(connection)
+    if is_asyncpg(driver) and not driver.is_in_transaction():
+        # SQLAlchemy's asyncpg adapter begins the driver's transaction at its
+        # first statement; make that happen now, or the outbox statements
+        # would run outside it and commit on their own. (psycopg begins its
+        # transaction implicitly, and the producer sees to that itself.)
+        await begin_sqlalchemy_transaction(connection)
     return driver
 
 
