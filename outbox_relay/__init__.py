@@ -86,6 +86,7 @@ __all__ = [
     "RetryableError",
     "Settings",
     "__version__",
+    "aio",
     "claim",
     "classify",
     "configure",
@@ -116,4 +117,9 @@ def __getattr__(name: str) -> Any:
         from .celery.install import install
 
         return install
+    if name == "aio":
+        # outbox_relay.aio.enqueue(...) after a plain ``import outbox_relay``.
+        import importlib
+
+        return importlib.import_module(".aio", __name__)
     raise AttributeError(f"module 'outbox_relay' has no attribute {name!r}")

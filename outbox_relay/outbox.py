@@ -35,6 +35,7 @@ from .producer import NewMessage
 from .table import OutboxTable
 
 if TYPE_CHECKING:
+    from .aio import AsyncOutbox
     from .celery.runtime import Installation
 
 __all__ = ["Outbox", "configure", "default_outbox"]
@@ -132,6 +133,13 @@ class Outbox:
     ) -> list[int]:
         """Insert many messages in the caller's transaction; ids in order."""
         return producer.enqueue_many(conn, messages, settings=self.settings, now=now)
+
+    @property
+    def aio(self) -> AsyncOutbox:
+        """The same producer API as coroutines: ``await outbox.aio.enqueue(async_conn, ...)``."""
+        from .aio import AsyncOutbox
+
+        return AsyncOutbox(self)
 
     # --------------------------------------------------------------- relaying
     def install(self, app: Any, **settings: Any) -> Installation:

@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
+from . import tracing
 from ._defaults import producer_settings
 from .config import ProducerSettings
 from .errors import InvalidMessage
@@ -24,7 +25,7 @@ from .store._base import begin_caller_transaction
 from .store.producer import insert_messages
 from .table import OutboxTable
 
-__all__ = ["NewMessage", "enqueue", "enqueue_many"]
+__all__ = ["Batch", "NewMessage", "enqueue", "enqueue_many", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,9 @@ def _delay(value: timedelta | float | None) -> timedelta:
     return value
 
 
-def _params(msg: NewMessage, limit: int, now: datetime | None) -> dict[str, Any]:
+def _params(
+    msg: NewMessage, limit: int, now: datetime | None, trace: Mapping[str, str]
+) -> dict[str, Any]:
     payload = _dumps(msg.payload, "payload")
     size = len(payload.encode("utf-8"))
     if size > limit:
@@ -82,6 +85,11 @@ def _params(msg: NewMessage, limit: int, now: datetime | None) -> dict[str, Any]
     headers = dict(msg.headers or {})
     if not all(isinstance(k, str) for k in headers):
         raise InvalidMessage("header names must be strings")
+    present = {k.lower() for k in headers}
+    if trace and "traceparent" not in present:
+        # A traceparent the caller passed wins (with its tracestate); other
+        # headers the caller set are kept as given.
+        headers.update({k: v for k, v in trace.items() if k not in present})
     key = msg.operation_key
     if key is not None and (not isinstance(key, str) or not key):
         raise InvalidMessage("operation_key must be a non-empty string or None")
@@ -91,10 +99,63 @@ def _params(msg: NewMessage, limit: int, now: datetime | None) -> dict[str, Any]
         "event_type": _text("event_type", msg.event_type),
         "payload": payload,
         "headers": _dumps(headers, "headers"),
+        # Left out of the operation-key digest (queries.sql insert): the same
+        # operation retried under another trace is still the same operation.
+        "trace_keys": list(tracing.TRACE_HEADERS),
         "operation_key": key,
         "delay": _delay(msg.delay),
         "now": now,
     }
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Validated rows ready to insert, and how: what ``prepare`` makes.
+
+    Pure data, shared by the sync producer here and the asyncio one
+    (``outbox_relay.aio``), so both validate and lock exactly alike.
+    """
+
+    table: OutboxTable
+    rows: list[dict[str, Any]]
+    # The ordered aggregates' advisory-lock keys (taken sorted, see store.producer).
+    lock_keys: list[str]
+    notify: bool
+
+
+def prepare(
+    messages: Iterable[NewMessage],
+    *,
+    settings: ProducerSettings | None = None,
+    table: OutboxTable | str | None = None,
+    ordered: bool | None = None,
+    notify: bool | None = None,
+    max_payload_bytes: int | None = None,
+    now: datetime | None = None,
+) -> Batch:
+    """Validate ``messages`` and build their rows; touches no database.
+
+    Raises ``InvalidMessage`` naming the problem before anything is written.
+    The current trace context (OpenTelemetry, when installed) is recorded in
+    each row's headers unless the caller set ``traceparent`` itself.
+    """
+    if settings is None:
+        settings = producer_settings()
+    outbox = OutboxTable.parse(table if table is not None else settings.table)
+    limit = max_payload_bytes if max_payload_bytes is not None else settings.max_payload_bytes
+    trace = tracing.current_headers()
+    rows = [_params(m, limit, now, trace) for m in messages]
+    lock_keys = []
+    for p in rows:
+        p["ordered"] = ordered if ordered is not None else settings.is_ordered(p["event_type"])
+        if p["ordered"]:
+            lock_keys.append(f"{outbox.lock_key}:{p['aggregate_type']}:{p['aggregate_id']}")
+    return Batch(
+        table=outbox,
+        rows=rows,
+        lock_keys=lock_keys,
+        notify=notify if notify is not None else settings.notify,
+    )
 
 
 def enqueue_many(
@@ -117,18 +178,17 @@ def enqueue_many(
     message; an ordered message takes its aggregate's lock (so that id order
     equals commit order) and is marked ordered on its row.
     """
-    if settings is None:
-        settings = producer_settings()
-    outbox = OutboxTable.parse(table if table is not None else settings.table)
-    limit = max_payload_bytes if max_payload_bytes is not None else settings.max_payload_bytes
-    params = [_params(m, limit, now) for m in messages]
-    if not params:
+    batch = prepare(
+        messages,
+        settings=settings,
+        table=table,
+        ordered=ordered,
+        notify=notify,
+        max_payload_bytes=max_payload_bytes,
+        now=now,
+    )
+    if not batch.rows:
         return []
-    lock_keys = []
-    for p in params:
-        p["ordered"] = ordered if ordered is not None else settings.is_ordered(p["event_type"])
-        if p["ordered"]:
-            lock_keys.append(f"{outbox.lock_key}:{p['aggregate_type']}:{p['aggregate_id']}")
     if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
         # The caller's transaction has not begun yet (psycopg begins it with
         # the first statement). Begin it now: on an idle connection
@@ -136,13 +196,8 @@ def enqueue_many(
         # own, and the message would then survive a rollback of the business
         # change that follows (enqueue first, then INSERT the order).
         begin_caller_transaction(conn)
-    return insert_messages(
-        conn,
-        params,
-        table=outbox,
-        lock_keys=lock_keys,
-        notify=notify if notify is not None else settings.notify,
-    )
+    return insert_messages(conn, batch.rows, table=batch.table, lock_keys=batch.lock_keys,
+                           notify=batch.notify)  # fmt: skip
 
 
 def enqueue(

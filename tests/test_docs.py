@@ -33,3 +33,21 @@ def test_relative_links_resolve() -> None:
     for page in DOCS.glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).is_file(), f"{page.name} links to missing {target}"
+
+
+def test_integrations_python_examples_compile_and_links_resolve() -> None:
+    """docs/integrations.md's snippets are Python as written, and the examples
+    it points to exist (each is run by tests/test_examples.py)."""
+    page = DOCS / "integrations.md"
+    text = page.read_text()
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", text, re.MULTILINE | re.DOTALL)
+    assert len(blocks) >= 8
+    for indent, block in blocks:
+        code = "\n".join(line[len(indent) :] for line in block.splitlines())
+        compile(code, f"{page.name} snippet", "exec")
+    for target in re.findall(r"\]\((\.\./[^)#]+)\)", text):
+        assert (page.parent / target).exists(), f"integrations.md links to missing {target}"
+    for folder in ("fastapi_app", "django_project"):
+        readme = (DOCS.parent / "examples" / folder / "README.md").read_text()
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
+            assert (DOCS.parent / "examples" / folder / target).exists(), (folder, target)

@@ -18,6 +18,7 @@ import kombu.exceptions
 from .._parse import as_number
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
+from ..tracing import TRACE_HEADERS
 from ._options import as_callable_or, constructor_kwargs
 from ._process import PerProcess
 from .protocol import import_object
@@ -328,6 +329,9 @@ class CeleryTaskPublisher:
             "outbox-aggregate-type": message.aggregate_type,
             "outbox-aggregate-id": message.aggregate_id,
             "outbox-headers": dict(message.headers or {}),
+            # The trace context also at the top, where Celery's OpenTelemetry
+            # instrumentation reads it (outbox_relay.tracing).
+            **{k: v for k, v in (message.headers or {}).items() if k in TRACE_HEADERS},
         }
         # What Flower, events and worker logs show instead of the arguments:
         # the row they came from, never the payload (it may hold personal data).

@@ -27,13 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from .. import store
 from ..db import Database
 from ..model import Claimed, LeaseRef, Message, Outcome
 from ..store.relay import Began
 from ..table import OutboxTable
+from ..tracing import PublishTracer, default_tracer
 from .keeper import Hold, LeaseKeeper
 from .policy import RetryPolicy, classify
 
@@ -126,6 +127,7 @@ class Deliverer:
         observer: Observer | None = None,
         keeper: LeaseKeeper | None = None,
         count_attempt: bool = False,
+        tracer: PublishTracer | Literal["default"] | None = "default",
     ) -> None:
         self.publisher = publisher
         self.db = db
@@ -137,6 +139,8 @@ class Deliverer:
         self.observer: Observer = observer or _NoObserver()
         self.keeper = keeper
         self.count_attempt = count_attempt
+        # A span per publish when OpenTelemetry is installed (outbox_relay.tracing).
+        self.tracer = default_tracer() if tracer == "default" else tracer
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
 
@@ -226,9 +230,19 @@ class Deliverer:
             # the chunk is not published past its lease.
             return _NotPublished("the chunk's lease was lost or ran short"), 0.0
         started = time.perf_counter()
+        message = msg.to_message(self.prefix)
+        span = self.tracer.start(message) if self.tracer is not None else None
+        # For the span: the row's next status ("interrupted" if the publish
+        # never returned, e.g. the worker is shutting down).
+        outcome: str = "interrupted"
+        error: BaseException | None = None
         try:
-            self.publisher(msg.to_message(self.prefix))
+            self.publisher(span.message if span is not None else message)
+            outcome = "done"
         except Exception as exc:
+            error = exc
+            if span is not None:
+                outcome = classify(exc, msg, self.policy, age_seconds=row.age_seconds).status
             if not self.policy.is_classified(exc):
                 log.error(
                     "publisher raised an unclassified error for outbox message %s; "
@@ -237,6 +251,9 @@ class Deliverer:
                     exc_info=exc,
                 )
             return exc, time.perf_counter() - started
+        finally:
+            if span is not None:
+                span.end(outcome, error)
         return None, time.perf_counter() - started
 
     def publish_one(self, row: Began) -> tuple[BaseException | None, float]:

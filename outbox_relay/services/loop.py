@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 
@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..model import Outcome
 from ..store.relay import Began
 from ..table import OutboxTable
+from ..tracing import PublishTracer
 from .claimer import Claimer
 from .deliverer import Deliverer, DeliveryReport, Publisher
 from .policy import RetryPolicy, classify
@@ -48,6 +49,7 @@ def dispatch_once(
     policy: RetryPolicy | None = None,
     publish_timeout: float = 10.0,
     idempotency_key_prefix: str = "outbox-",
+    tracer: PublishTracer | Literal["default"] | None = "default",
 ) -> int:
     """Claim one batch and deliver it in this process, without Celery.
 
@@ -55,6 +57,7 @@ def dispatch_once(
     published, so a crash mid-batch repeats as little as possible. Returns the
     number of messages claimed (0 means the queue had nothing due). When
     ``policy`` is given, its ``max_attempts`` wins over ``max_attempts``.
+    ``tracer``: see ``Deliverer`` (default: OpenTelemetry's global tracer when installed).
     """
     policy = policy or RetryPolicy(max_attempts=max_attempts)
     started = time.monotonic()
@@ -75,6 +78,7 @@ def dispatch_once(
         publish_timeout=publish_timeout,
         idempotency_key_prefix=idempotency_key_prefix,
         concurrency=1,
+        tracer=tracer,
     )
     lease_seconds = lease.total_seconds()
     for msg in claimed:

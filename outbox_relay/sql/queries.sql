@@ -12,7 +12,10 @@
 -- A keyed row stores a SHA-256 of its content (migration 0004), so that the
 -- comparison never reads another message's payload: a producer role needs
 -- no SELECT on payload. The same expression is in insert_conflict and in the
--- migration's backfill; keep the three alike.
+-- backfill of migration 0006; keep the three alike. The trace headers
+-- (the trace_keys parameter: traceparent, tracestate, baggage, which enqueue records
+-- from the current span) are left out: the same operation retried under
+-- another trace is still the same operation.
 INSERT INTO {table} AS o
        (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
         available_at, content_hash)
@@ -22,18 +25,20 @@ VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s::jsonb
         CASE WHEN %(operation_key)s::text IS NOT NULL
              THEN sha256(convert_to(jsonb_build_array(
                       %(aggregate_type)s::text, %(aggregate_id)s::text, %(event_type)s::text,
-                      %(payload)s::jsonb, %(headers)s::jsonb)::text, 'UTF8')) END)
+                      %(payload)s::jsonb, %(headers)s::jsonb - %(trace_keys)s::text[])::text,
+                      'UTF8')) END)
 ON CONFLICT (operation_key) WHERE operation_key IS NOT NULL DO NOTHING
 RETURNING id;
 
 -- name: insert_conflict
 -- The message that already holds an operation key, and whether it means the
 -- same thing: the same digest of aggregate, event type, payload and headers
--- (see insert). Only id, operation_key and content_hash are read.
+-- (see insert; trace headers left out). Only id, operation_key and
+-- content_hash are read.
 SELECT id,
        content_hash = sha256(convert_to(jsonb_build_array(
            %(aggregate_type)s::text, %(aggregate_id)s::text, %(event_type)s::text,
-           %(payload)s::jsonb, %(headers)s::jsonb)::text, 'UTF8')) AS same
+           %(payload)s::jsonb, %(headers)s::jsonb - %(trace_keys)s::text[])::text, 'UTF8')) AS same
   FROM {table}
  WHERE operation_key = %(operation_key)s;
 
@@ -45,7 +50,7 @@ SELECT id,
 SELECT id,
        (aggregate_type = %(aggregate_type)s AND aggregate_id = %(aggregate_id)s
         AND event_type = %(event_type)s AND payload = %(payload)s::jsonb
-        AND headers = %(headers)s::jsonb) AS same
+        AND headers - %(trace_keys)s::text[] = %(headers)s::jsonb - %(trace_keys)s::text[]) AS same
   FROM {table}
  WHERE operation_key = %(operation_key)s;
 

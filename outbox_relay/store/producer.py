@@ -1,4 +1,11 @@
-"""The producer's statements: insert, the ordering lock, NOTIFY."""
+"""The producer's statements: insert, the ordering lock, NOTIFY.
+
+The sequence of statements is written once, as a plan (``insert_plan``): a
+generator that yields each statement and is sent back its first row. The
+sync driver here and the asyncio drivers (``store/aio.py``: psycopg
+``AsyncConnection`` and asyncpg) run the same plan, so the three cannot drift
+apart in what they lock, insert or compare.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +15,11 @@ from typing import Any
 import psycopg
 
 from ..errors import ConfigError, OperationKeyConflict
-from ..sql.queries import Queries
 from ..table import OutboxTable
 from ._base import queries
+from ._plan import Plan, Statement, run
 
-__all__ = ["insert_messages"]
+__all__ = ["insert_messages", "insert_plan", "missing_table"]
 
 
 def insert_messages(
@@ -29,34 +36,36 @@ def insert_messages(
     and in sorted order: two transactions that write aggregates A, B and B, A
     then queue instead of deadlocking.
     """
-    q = queries(table)
     try:
-        with conn.transaction(), conn.cursor() as cur:
-            ids = _insert(cur, q, rows, table, lock_keys, notify)
+        with conn.transaction():
+            return run(conn, insert_plan(rows, table=table, lock_keys=lock_keys, notify=notify))
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
         # The savepoint was rolled back: the caller's transaction is usable.
-        raise ConfigError(
-            f"the outbox table {table.qualified} is missing or not migrated to this version "
-            f"({exc.diag.message_primary}): run `outbox-relay migrate` "
-            "(or outbox_relay.migrate(conn))"
-        ) from None
-    return ids
+        raise missing_table(table, exc.diag.message_primary) from None
 
 
-def _insert(
-    cur: psycopg.Cursor[Any],
-    q: Queries,
+def missing_table(table: OutboxTable, detail: str | None) -> ConfigError:
+    """The error for an outbox table that is absent or behind this version."""
+    return ConfigError(
+        f"the outbox table {table.qualified} is missing or not migrated to this version "
+        f"({detail}): run `outbox-relay migrate` (or outbox_relay.migrate(conn))"
+    )
+
+
+def insert_plan(
     rows: Sequence[dict[str, Any]],
+    *,
     table: OutboxTable,
     lock_keys: Sequence[str],
     notify: bool,
-) -> list[int]:
+) -> Plan[list[int]]:
+    """The statements of one insert, run by any driver (see ``_plan``)."""
+    q = queries(table)
     ids: list[int] = []
     for key in sorted(set(lock_keys)):
-        cur.execute(q.advisory_lock, {"key": key})
+        yield Statement(q.advisory_lock, {"key": key})
     for params in rows:
-        cur.execute(q.insert, params)
-        row = cur.fetchone()
+        row = yield Statement(q.insert, params, fetch="one")
         if row is not None:
             ids.append(int(row[0]))
             continue
@@ -64,20 +73,18 @@ def _insert(
         # (return its id); anything else is a mistake. The digests are
         # compared, not the payloads, so a producer role needs no right to
         # read other messages (operations.grants).
-        cur.execute(q.insert_conflict, params)
-        existing = cur.fetchone()
+        existing = yield Statement(q.insert_conflict, params, fetch="one")
         if existing is None:  # pragma: no cover - the key's row vanished meanwhile
             raise OperationKeyConflict(params["operation_key"], -1)
         if existing[1] is None:
             # Written by an older producer without a digest (a rolling
             # upgrade): only the full comparison can tell.
-            cur.execute(q.insert_conflict_full, params)
-            existing = cur.fetchone()
+            existing = yield Statement(q.insert_conflict_full, params, fetch="one")
             if existing is None:  # pragma: no cover - as above
                 raise OperationKeyConflict(params["operation_key"], -1)
         if not existing[1]:
             raise OperationKeyConflict(params["operation_key"], int(existing[0]))
         ids.append(int(existing[0]))
     if notify:
-        cur.execute(q.notify, {"channel": table.channel})
+        yield Statement(q.notify, {"channel": table.channel})
     return ids

@@ -11,12 +11,14 @@ from psycopg import sql
 from ..sql.queries import Migration, migrations_for, queries_for
 from ..table import OutboxTable
 from ._base import TableLike, statement_tx
+from ._plan import Plan, Statement, run
 
 __all__ = [
     "MIGRATE_LOCK",
     "applied_migrations",
     "listen",
     "migrate",
+    "migrate_plan",
     "missing_migrations",
     "table_exists",
 ]
@@ -43,10 +45,17 @@ def _migration_steps(table: OutboxTable, m: Migration) -> list[Step]:
     return [(m.sql, None), (record, {"version": m.version, "name": m.name})]
 
 
-def _run(conn: psycopg.Connection[Any], steps: list[Step]) -> None:
-    for query, params in steps:
-        # A migration's text is DDL with no parameters: sent as it is.
-        conn.execute(query.encode() if params is None else query, params)
+def migrate_plan(table: OutboxTable) -> Plan[list[int]]:
+    """The statements of ``migrate``, for any driver (sync here, asyncio in store/aio.py)."""
+    for query, params in _setup_steps(table):
+        yield Statement(query, params)
+    applied = yield Statement(queries_for(table).applied_migrations, {}, fetch="all")
+    done = {row[0] for row in applied}
+    pending = [m for m in migrations_for(table) if m.version not in done]
+    for m in pending:
+        for query, params in _migration_steps(table, m):
+            yield Statement(query, params)
+    return [m.version for m in pending]
 
 
 def migrate(conn: psycopg.Connection[Any], *, table: TableLike = None) -> list[int]:
@@ -56,14 +65,9 @@ def migrate(conn: psycopg.Connection[Any], *, table: TableLike = None) -> list[i
     one advisory lock, and each applies what is still missing when it gets it.
     The steps are the ones ``migration_script`` prints, so the two agree.
     """
-    outbox = OutboxTable.parse(table)
+    outbox = OutboxTable.parse(table)  # a bad name fails before the connection is touched
     with conn.transaction():
-        _run(conn, _setup_steps(outbox))
-        done = {row[0] for row in conn.execute(queries_for(outbox).applied_migrations)}
-        pending = [m for m in migrations_for(outbox) if m.version not in done]
-        for m in pending:
-            _run(conn, _migration_steps(outbox, m))
-    return [m.version for m in pending]
+        return run(conn, migrate_plan(outbox))
 
 
 def _code(query: str) -> str:

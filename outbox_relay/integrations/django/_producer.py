@@ -1,4 +1,4 @@
-"""``enqueue`` for Django: the message joins the transaction of ``connections[using]``.
+"""``enqueue`` on Django's connection: the message joins the transaction of ``connections[using]``.
 
     from django.db import transaction
     from outbox_relay.integrations.django import enqueue
@@ -24,9 +24,9 @@ from typing import Any
 import psycopg
 from django.db import connections, transaction
 
-from .. import producer
-from ..producer import NewMessage
-from ..table import OutboxTable
+from ... import producer
+from ...producer import NewMessage
+from ...table import OutboxTable
 
 __all__ = ["enqueue", "enqueue_many", "psycopg_connection"]
 

@@ -1,0 +1,163 @@
+"""The producer API as coroutines, for asyncio applications (FastAPI, aiohttp, ...).
+
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        async with conn.transaction():
+            await conn.execute("INSERT INTO orders ...")
+            await outbox_relay.aio.enqueue(conn, aggregate_type="order", ...)
+
+``enqueue``, ``enqueue_many`` and ``migrate`` behave exactly as the sync ones:
+validation (``producer.prepare``) before anything is written, a savepoint
+inside the caller's transaction, the ``operation_key`` rules and
+``OperationKeyConflict``, the ordering advisory lock, NOTIFY. They share the
+sync code's validation and statement plans (``store/_plan.py``); only the
+driver differs. ``conn`` is a ``psycopg.AsyncConnection`` or an asyncpg
+connection (SQLAlchemy's async session: ``outbox_relay.integrations.sqlalchemy``).
+
+A configured ``Outbox`` offers the same as ``outbox.aio.enqueue(...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from .config import ProducerSettings
+from .producer import NewMessage, prepare
+from .store import aio as store_aio
+from .store.aio import AsyncConn
+from .table import OutboxTable
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["AsyncOutbox", "enqueue", "enqueue_many", "migrate"]
+
+
+async def migrate(conn: AsyncConn, *, table: OutboxTable | str | None = None) -> list[int]:
+    """Apply the migrations ``table`` lacks; the versions applied (see ``outbox_relay.migrate``)."""
+    return await store_aio.migrate(conn, table=table)
+
+
+async def enqueue_many(
+    conn: AsyncConn,
+    messages: Iterable[NewMessage],
+    *,
+    settings: ProducerSettings | None = None,
+    table: OutboxTable | str | None = None,
+    ordered: bool | None = None,
+    notify: bool | None = None,
+    max_payload_bytes: int | None = None,
+    now: datetime | None = None,
+) -> list[int]:
+    """Insert many messages in the caller's transaction; their ids in order."""
+    batch = prepare(
+        messages,
+        settings=settings,
+        table=table,
+        ordered=ordered,
+        notify=notify,
+        max_payload_bytes=max_payload_bytes,
+        now=now,
+    )
+    if not batch.rows:
+        return []
+    return await store_aio.insert_messages(
+        conn, batch.rows, table=batch.table, lock_keys=batch.lock_keys, notify=batch.notify
+    )
+
+
+async def enqueue(
+    conn: AsyncConn,
+    *,
+    aggregate_type: str,
+    aggregate_id: str | int,
+    event_type: str,
+    payload: Any,
+    operation_key: str | None = None,
+    delay: timedelta | float | None = None,
+    headers: Mapping[str, Any] | None = None,
+    settings: ProducerSettings | None = None,
+    table: OutboxTable | str | None = None,
+    ordered: bool | None = None,
+    notify: bool | None = None,
+    max_payload_bytes: int | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Record one message in the caller's transaction; its id (see ``outbox_relay.enqueue``)."""
+    message = NewMessage(
+        aggregate_type=aggregate_type,
+        aggregate_id=aggregate_id,
+        event_type=event_type,
+        payload=payload,
+        operation_key=operation_key,
+        delay=delay,
+        headers=headers,
+    )
+    [message_id] = await enqueue_many(
+        conn,
+        [message],
+        settings=settings,
+        table=table,
+        ordered=ordered,
+        notify=notify,
+        max_payload_bytes=max_payload_bytes,
+        now=now,
+    )
+    return message_id
+
+
+# --- apply_async -------------------------------------------------------------
+# MERGE POINT (issue 12 / the canvas work): ``aio.apply_async(conn, sig, **options)``
+# goes here. It should call the canvas module's pure "sig -> row fields"
+# function, then ``enqueue_many`` above with the NewMessage it builds, and
+# return the AsyncResult exactly as the sync ``outbox_relay.apply_async``
+# does; ``AsyncOutbox.apply_async`` below forwards to it. Add "apply_async" to
+# __all__ then.
+
+
+class AsyncOutbox:
+    """``outbox.aio``: the asyncio producer API with one ``Outbox``'s settings."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+
+    async def enqueue(
+        self,
+        conn: AsyncConn,
+        *,
+        aggregate_type: str,
+        aggregate_id: str | int,
+        event_type: str,
+        payload: Any,
+        operation_key: str | None = None,
+        delay: timedelta | float | None = None,
+        headers: Mapping[str, Any] | None = None,
+        now: datetime | None = None,
+    ) -> int:
+        """``Outbox.enqueue`` as a coroutine."""
+        return await enqueue(
+            conn,
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            event_type=event_type,
+            payload=payload,
+            operation_key=operation_key,
+            delay=delay,
+            headers=headers,
+            settings=self._outbox.settings,
+            now=now,
+        )
+
+    async def enqueue_many(
+        self, conn: AsyncConn, messages: Iterable[NewMessage], *, now: datetime | None = None
+    ) -> list[int]:
+        """``Outbox.enqueue_many`` as a coroutine."""
+        return await enqueue_many(conn, messages, settings=self._outbox.settings, now=now)
+
+    async def migrate(self, conn: AsyncConn) -> list[int]:
+        """Migrate this outbox's table."""
+        return await migrate(conn, table=self._outbox.table)
+
+    # MERGE POINT: async def apply_async(self, conn, sig, **options) -> AsyncResult,
+    # forwarding to the module-level aio.apply_async with this outbox's settings.
