@@ -279,6 +279,13 @@ def prepare_canvas(
                 f"apply_async: option {key!r} is not taken: the relay retries a failed send "
                 "from the database, with its own backoff"
             )
+    # The canvas's own countdown, eta and expires become the row's times
+    # (below); a copy without them, so that a datetime there is no JSON error.
+    timing = {k: sig.options[k] for k in ("countdown", "eta", "expires") if k in sig.options}
+    if timing:
+        sig = sig.clone()
+        for key in timing:
+            sig.options.pop(key)
     _check_registered(sig, app)
     _check_json(sig, app)
     args, kwargs = options.pop("args", None), options.pop("kwargs", None)
@@ -303,13 +310,9 @@ def prepare_canvas(
             "use a chord (group | callback), or link each task"
         )
     root = work.options
-    delay = _delay(
-        options.pop("countdown", root.pop("countdown", None)),
-        options.pop("eta", root.pop("eta", None)),
-        now,
-        app,
-    )
-    expires = options.pop("expires", root.pop("expires", None))
+    timing.update((k, options.pop(k)) for k in ("countdown", "eta", "expires") if k in options)
+    delay = _delay(timing.get("countdown"), timing.get("eta"), now, app)
+    expires = timing.get("expires")
     for key in ("link", "link_error"):
         if options.get(key) is not None:
             value = options.pop(key)
