@@ -424,3 +424,112 @@ def test_a_django_connection_commits_and_rolls_back_with_the_canvas(canvas_dsn: 
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert [str(r[3]) for r in _canvas_rows(canvas_dsn)] == [found["kept"]]
     assert found["dropped"] != found["kept"]
+
+
+# --------------------------------------------------------------------- docs
+DOCS = ROOT / "docs" / "celery.md"
+
+
+def _doc_block(text: str, first_line: str) -> str:
+    """The fenced block of docs/celery.md that starts with ``first_line``."""
+    for block in text.split("```")[1::2]:
+        body = block.split("\n", 1)[1]
+        if body.startswith(first_line):
+            return body
+    raise AssertionError(f"docs/celery.md has no block starting {first_line!r}")
+
+
+def test_the_docs_example_runs_as_written(dsn: str, tmp_path: Path) -> None:
+    """The files and commands of docs/celery.md, run as written in a fresh
+    folder; only the exported addresses are this test's database and broker."""
+    from .celery_procs import Proc
+
+    text = DOCS.read_text()
+    for name in ("shop.py", "place_order.py"):
+        (tmp_path / name).write_text(_doc_block(text, f"# {name}\n"))
+    commands = _doc_block(text, "export OUTBOX_DSN=").strip().splitlines()
+    exported = [c for c in commands if c.startswith("export ")]
+    assert [c.split("=", 1)[0] for c in exported] == [
+        "export OUTBOX_DSN",
+        "export CELERY_BROKER_URL",
+    ]
+    env = {
+        **os.environ,
+        "OUTBOX_DSN": dsn,
+        "CELERY_BROKER_URL": services.redis_url(),
+        # This checkout's outbox_relay, and its virtualenv's commands.
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    for name in ("OUTBOX_PUBLISHER", "CELERY_CONFIG_MODULE", "OUTBOX_QUEUE"):
+        env.pop(name, None)
+    procs: list[Proc] = []
+
+    def run(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    try:
+        for command in commands[len(exported) :]:
+            if command.startswith("celery "):
+                log = tmp_path / f"{len(procs)}.log"
+                with log.open("wb") as out:
+                    popen = subprocess.Popen(
+                        command,
+                        shell=True,
+                        cwd=tmp_path,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                procs.append(Proc(command.split()[3], popen, log))
+                if " worker" in command:
+                    procs[-1].wait_ready()
+                continue
+            done = run(command)
+            assert done.returncode == 0, f"{command}: {done.stdout}{done.stderr}"
+        out = done.stdout.strip().splitlines()[-1]
+        words = out.replace(",", " ").split()  # "reserve <id> then receipt <id>, sent ..."
+        reserve, receipt = words[1], words[4]
+        worker = procs[0]
+        wait_for(
+            lambda: f"shop.send_receipt[{receipt}] succeeded" in worker.text(),
+            timeout=90,
+            what=f"the receipt task\n{worker.text()[-3000:]}",
+        )
+        log = worker.text()
+        assert f"shop.reserve_stock[{reserve}] succeeded" in log
+        assert log.index(f"shop.reserve_stock[{reserve}] succeeded") < log.index(
+            f"shop.send_receipt[{receipt}] received"
+        )
+        assert "receipt sent for order 42" in log
+        assert _rows(dsn, "SELECT receipt_task FROM orders") == [(receipt,)]
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_the_readme_example_writes_one_canvas_row(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Celery tasks inside a transaction") :]
+    block = _doc_block(section, "import psycopg\nfrom celery import chain\n")
+    (tmp_path / "shop.py").write_text(_doc_block(DOCS.read_text(), "# shop.py\n"))
+    monkeypatch.setenv("OUTBOX_DSN", dsn)
+    monkeypatch.setenv("CELERY_BROKER_URL", services.redis_url())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "shop", raising=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id int PRIMARY KEY, total int)")
+    try:
+        exec(compile(block, "README.md", "exec"), {"__name__": "readme", "dsn": dsn})
+    finally:
+        sys.modules.pop("shop", None)
+    first, last = capsys.readouterr().out.split()
+    [(_id, status, _type, root, payload)] = _canvas_rows(dsn)
+    assert (status, root) == ("pending", first)
+    assert payload["options"]["task_id"] == last  # a chain's own id is its last task's
+    assert _rows(dsn, "SELECT id FROM orders") == [(42,)]

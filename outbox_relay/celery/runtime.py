@@ -285,7 +285,7 @@ class Installation:
             log.warning(
                 "outbox-relay: OUTBOX_PUBLISHER is not set: this relay sends the Celery tasks "
                 "written with outbox_relay.apply_async; any other row ends dead, its reason "
-                "naming OUTBOX_PUBLISHER (set it, then `outbox-relay dead retry`)"
+                "naming OUTBOX_PUBLISHER (set it, then `outbox-relay dead retry --all`)"
             )
         for target in _celery_targets(base):
             # A task name nobody registers: refused (relay's own app) or warned.
