@@ -12,7 +12,6 @@ is written.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from . import services
 os.environ.setdefault("CANVAS_BACKEND_URL", services.redis_url())
 
 from .apps import canvas as user
+from .apps import kit
 from .celery_procs import ROOT, CeleryProcs, wait_for
 
 pytestmark = pytest.mark.celery
@@ -412,16 +412,7 @@ def test_a_sqlalchemy_session_commits_and_rolls_back_with_the_canvas(canvas_dsn:
 
 def test_a_django_connection_commits_and_rolls_back_with_the_canvas(canvas_dsn: str) -> None:
     # Django's settings are once per process: the scenario runs in its own.
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.apps.django_canvas", canvas_dsn],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = kit.module_json("tests.apps.django_canvas", canvas_dsn)
     assert [str(r[3]) for r in _canvas_rows(canvas_dsn)] == [found["kept"]]
     assert found["dropped"] != found["kept"]
 

@@ -218,6 +218,21 @@ def wait_until(
         time.sleep(interval)
 
 
+def module_json(module: str, *args: str, timeout: float = 60.0) -> Any:
+    """Run ``python -m module args...`` (a scenario needing a process of its own,
+    such as Django's once-per-process settings) and parse its last output line."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def client_app(broker: str) -> Any:
     """A Celery app that only sends tasks (what a web process holds)."""
     from celery import Celery
