@@ -391,6 +391,30 @@ def test_countdown_eta_and_expires_become_the_row_s_times() -> None:
     assert "task_id" not in sig.options, "the caller's signature is not frozen"
 
 
+def test_partial_arguments_go_where_celery_puts_them() -> None:
+    """apply_async(args=, kwargs=): the task, a chain's first task, each task
+    of a group or of a chord's header, prepended as Celery does."""
+    from celery.canvas import Signature
+
+    partial = {"args": ("p",), "kwargs": {"tag": "k"}}
+    cases = [
+        (user.step.s(), lambda s: [s]),
+        (user.step.s() | user.step.s(9), lambda s: s.tasks),
+        (group(user.step.s(), user.step.s(9)), lambda s: s.tasks),
+        (chord([user.step.s(), user.step.s(9)], user.collect.s()), lambda s: s.tasks),
+    ]
+    expected = {
+        0: [(["p"], {"tag": "k"})],
+        1: [(["p"], {"tag": "k"}), ([9], {})],
+        2: [(["p"], {"tag": "k"}), (["p", 9], {"tag": "k"})],
+        3: [(["p"], {"tag": "k"}), (["p", 9], {"tag": "k"})],
+    }
+    for n, (sig, tasks) in enumerate(cases):
+        message, _ = prepare_canvas(sig, partial)
+        stored = Signature.from_dict(message.payload, app=user.app)
+        assert [(list(t["args"]), t["kwargs"]) for t in tasks(stored)] == expected[n]
+
+
 # ------------------------------------------------ other connection forms
 def test_a_sqlalchemy_session_commits_and_rolls_back_with_the_canvas(canvas_dsn: str) -> None:
     from sqlalchemy import create_engine, text

@@ -47,6 +47,7 @@ __all__ = [
     "CANVAS_EVENT_TYPE",
     "CanvasPublisher",
     "apply_async",
+    "is_durable",
     "prepare_canvas",
     "walk",
 ]
@@ -302,7 +303,7 @@ def prepare_canvas(
     # signature stays unfrozen (freezing works in place).
     work = Signature.from_dict(json.loads(_dumps(sig)), app=app)
     if args or kwargs:
-        work = work.clone(tuple(args or ()), dict(kwargs or {}))
+        work = _partial(work, tuple(args or ()), dict(kwargs or {}), app)
     is_group = isinstance(work, group)
     if is_group and (options.get("link") or options.get("link_error")):
         raise InvalidMessage(
@@ -361,7 +362,23 @@ def prepare_canvas(
     return message, result
 
 
-def _durable(sig: Any) -> bool:
+def _partial(node: Any, args: tuple[Any, ...], kwargs: dict[str, Any], app: Any) -> Any:
+    """``apply_async(args=, kwargs=)`` as Celery applies them: to the task, a
+    chain's first task, every task of a group or of a chord's header."""
+    from celery.canvas import _chain, _chord, group
+
+    if isinstance(node, _chain):
+        first = _signature(node.tasks[0], app)
+        node.tasks[0] = _partial(first, args, kwargs, app)
+    elif isinstance(node, (group, _chord)):
+        tasks = node.tasks.tasks if isinstance(node.tasks, group) else node.tasks
+        tasks[:] = [_partial(_signature(t, app), args, kwargs, app) for t in tasks]
+    else:
+        return node.clone(args, kwargs)
+    return node
+
+
+def is_durable(sig: Any) -> bool:
     """One task (not a canvas) whose registered class is an outbox DurableTask."""
     from celery.canvas import Signature
 
@@ -399,7 +416,7 @@ def _write(conn: Any, outbox: Outbox, message: NewMessage) -> int:
 
 def apply_async(conn: Any, outbox: Outbox, sig: Any, options: Mapping[str, Any]) -> Any:
     """Write ``sig`` as one outbox row in ``conn``'s transaction; return its result now."""
-    if _durable(sig):
+    if is_durable(sig):
         # A DurableTask is tracked by its row while it runs: its own module
         # writes that row.
         from .durable import write_durable  # type: ignore[import-not-found, unused-ignore]
