@@ -38,7 +38,7 @@ os.environ.setdefault("CANVAS_BACKEND_URL", services.redis_url())
 
 from .apps import canvas as user
 from .apps import kit
-from .celery_procs import ROOT, CeleryProcs, wait_for
+from .celery_procs import ROOT, CeleryProcs, EventTap, pool_pids, wait_for
 
 pytestmark = pytest.mark.celery
 
@@ -61,7 +61,14 @@ def relay(tmp_path: Path) -> Iterator[Any]:
     """``relay(dsn, broker)``: a worker and a beat of the user's app, relay installed."""
     made: list[CeleryProcs] = []
 
-    def start(dsn: str, broker: str, *, backend: str | None = None, beat: bool = True) -> Any:
+    def start(
+        dsn: str,
+        broker: str,
+        *,
+        backend: str | None = None,
+        beat: bool = True,
+        events: bool = False,
+    ) -> Any:
         env = {
             "CANVAS_DSN": dsn,
             "CANVAS_BROKER_URL": broker,
@@ -75,7 +82,7 @@ def relay(tmp_path: Path) -> Iterator[Any]:
         procs = CeleryProcs(env, tmp_path, app="tests.apps.canvas")
         procs.env.pop("OUTBOX_PUBLISHER", None)
         made.append(procs)
-        procs.worker(events=False)
+        procs.worker(events=events)
         if beat:
             procs.beat()
         return procs
@@ -239,6 +246,35 @@ def test_a_link_callback_keeps_its_fixed_id(canvas_dsn: str, relay: Any) -> None
     assert (got["m1"]["task_id"], got["cb-mine"]["task_id"]) == (first.id, mine_id)
     assert (got["m2"]["task_id"], got["cb-ours"]["task_id"]) == (second.id, ours_id)
     assert got["cb-mine"]["prev"] == "m1" and got["cb-mine"]["parent_id"] == first.id
+
+
+def test_flower_sees_the_outbox_row_never_the_arguments(canvas_dsn: str, relay: Any) -> None:
+    broker = services.redis_url()
+    procs = relay(canvas_dsn, broker, events=True)  # -E: task events, as for Flower
+    ours = pool_pids(procs.procs[0])  # the broker is shared: only our worker's events
+    with EventTap(kit.client_app(broker)) as tap:
+        with psycopg.connect(canvas_dsn) as conn, conn.transaction():
+            result = outbox_relay.apply_async(
+                conn, user.step.s("buyer@example.com", tag="f1") | user.step.s(tag="f2")
+            )
+        received = wait_for(
+            lambda: (
+                [
+                    e
+                    for e in tap.of_type("task-received")
+                    if e.get("uuid") in (result.id, result.parent.id) and e.get("pid") in ours
+                ]
+                if len(_steps(canvas_dsn, "f1", "f2")) == 2
+                else []
+            ),
+            timeout=90,
+            what=f"both tasks received\n{procs.logs()}",
+        )
+    [(row_id, *_rest)] = _canvas_rows(canvas_dsn)
+    assert sorted(e["name"] for e in received) == ["canvas.step", "canvas.step"]
+    assert {e["args"] for e in received} == {f"(outbox #{row_id} v1)"}
+    assert {e["kwargs"] for e in received} == {"{'tag': ...}"}
+    assert "buyer@example.com" not in repr(received)
 
 
 # --------------------------------------------------------- broker outage

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from outbox_relay.inbox import InboxTask
 from outbox_relay.publishers import CeleryTaskPublisher, resolve_publisher
 
 from . import services
-from .celery_procs import CeleryProcs, Proc, wait_for
+from .celery_procs import CeleryProcs, EventTap, pool_pids, wait_for
 
 pytestmark = pytest.mark.celery
 
@@ -46,39 +45,6 @@ CREATE TABLE runs (
 CREATE TABLE attempts (key text NOT NULL, pid int NOT NULL);
 CREATE TABLE effects (key text NOT NULL, amount int NOT NULL, pid int NOT NULL);
 """
-
-
-class EventTap:
-    """Collects the Celery events on the broker, as Flower does."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with self.app.connection() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
-                self._ready.set()
-                while not self._stop.is_set():
-                    with contextlib.suppress(TimeoutError, OSError):
-                        connection.drain_events(timeout=0.5)
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.events) if e.get("type") == kind]
-
-    def __enter__(self) -> EventTap:
-        self._thread.start()
-        assert self._ready.wait(10)
-        time.sleep(0.3)  # subscribed before anything is sent
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture
@@ -242,7 +208,7 @@ def test_a_task_or_signature_publisher_is_sent_not_run_inline(pipeline_dsn, proc
     )
     relay = p.worker(events=False)  # consumes the outbox queue, not the task's
     consumer = p.worker(events=False, args=("-Q", queue))
-    relay_pids = _pool_pids(relay)
+    relay_pids = pool_pids(relay)
     message_id = _enqueue(pipeline_dsn, 7)
     wait_for(
         lambda: _rows(pipeline_dsn, "SELECT 1 FROM runs"),
@@ -260,17 +226,6 @@ def test_a_task_or_signature_publisher_is_sent_not_run_inline(pipeline_dsn, proc
     assert tag == ("from-signature" if given == "signature" else None)
     assert "Task pipeline.record" in consumer.text()
     assert "pipeline.record" not in relay.text().split(" ready.", 1)[1]
-
-
-def _pool_pids(worker: Proc) -> set[int]:
-    """The worker's process group: the main process and its pool children."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry)) == worker.popen.pid:
-                    pids.add(int(entry))
-    return pids
 
 
 def test_a_task_object_given_in_code_is_never_called(conn) -> None:
@@ -341,7 +296,7 @@ def test_flower_sees_the_outbox_row_never_the_payload(pipeline_dsn, procs) -> No
         **_relay_env(),
     )
     worker = p.worker()  # -E: sends task events, as for Flower
-    ours = _pool_pids(worker)  # the broker is shared: only our worker's events
+    ours = pool_pids(worker)  # the broker is shared: only our worker's events
     with EventTap(_client(broker)) as tap:
         message_id = _enqueue(pipeline_dsn, 3)
         wait_for(lambda: _rows(pipeline_dsn, "SELECT 1 FROM runs"), timeout=60, what="ran")
@@ -397,7 +352,7 @@ def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
         OUTBOX_CLAIM_INTERVAL_SECONDS="1",
     )
     worker = p.worker()
-    ours = _pool_pids(worker)  # the broker is shared: only our worker's events
+    ours = pool_pids(worker)  # the broker is shared: only our worker's events
     with EventTap(_client(broker)) as tap:
         message_id = _enqueue(dsn, 9, {"fail": "permanent", "email": "x@example.com"})
         dead = wait_for(
