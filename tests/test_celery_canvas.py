@@ -32,15 +32,20 @@ from outbox_relay.errors import InvalidMessage
 
 from . import services
 
-# The web process's app (imported below) reads its result backend from here:
-# the results apply_async returns are read from the workers' backend.
+# The web process's app (imported below) reads its result backend and its
+# default queue from here: the results apply_async returns are read from the
+# workers' backend, and apply_async routes each task as this app does (a
+# queue of this test process's own: the broker is shared).
 os.environ.setdefault("CANVAS_BACKEND_URL", services.redis_url())
+os.environ.setdefault("CANVAS_QUEUE", f"cv-{uuid.uuid4().hex[:10]}")
 
 from .apps import canvas as user
 from .apps import kit
 from .celery_procs import ROOT, CeleryProcs, EventTap, pool_pids, wait_for
 
 pytestmark = pytest.mark.celery
+
+QUEUE = os.environ["CANVAS_QUEUE"]
 
 
 # ------------------------------------------------------------------ helpers
@@ -74,7 +79,7 @@ def relay(tmp_path: Path) -> Iterator[Any]:
             "CANVAS_BROKER_URL": broker,
             # Results in Redis (chords need them; the producer's results read them).
             "CANVAS_BACKEND_URL": backend or services.redis_url(),
-            "CANVAS_QUEUE": _queue(),
+            "CANVAS_QUEUE": QUEUE,
             "OUTBOX_QUEUE": _queue(),
             # Faster ticks for the test's sake; nothing else is set (no publisher).
             "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
@@ -275,6 +280,48 @@ def test_flower_sees_the_outbox_row_never_the_arguments(canvas_dsn: str, relay: 
     assert {e["args"] for e in received} == {f"(outbox #{row_id} v1)"}
     assert {e["kwargs"] for e in received} == {"{'tag': ...}"}
     assert "buyer@example.com" not in repr(received)
+
+
+def test_the_standalone_relay_sends_to_the_queue_the_producer_s_app_routes_to(
+    canvas_dsn: str, tmp_path: Path
+) -> None:
+    """Relayed by ``celery -A outbox_relay.app`` (which knows none of the tasks,
+    and whose default queue is its own): each task still goes to the queue the
+    web process's app routes it to, where the app's own worker runs it."""
+    broker = services.redis_url()
+    relay_queue = _queue()
+    (tmp_path / "relay").mkdir()
+    (tmp_path / "app").mkdir()
+    standalone = CeleryProcs(
+        {
+            "OUTBOX_DSN": canvas_dsn,
+            "CELERY_BROKER_URL": broker,
+            "OUTBOX_QUEUE": relay_queue,
+            "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
+        },
+        tmp_path / "relay",
+    )
+    standalone.env.pop("OUTBOX_PUBLISHER", None)
+    consumer = CeleryProcs(
+        {"CANVAS_DSN": canvas_dsn, "CANVAS_BROKER_URL": broker, "CANVAS_QUEUE": QUEUE},
+        tmp_path / "app",
+        app="tests.apps.canvas",
+    )
+    try:
+        standalone.worker(events=False)
+        standalone.beat()
+        consumer.worker(events=False, args=("-Q", QUEUE))  # the app's tasks only
+        with psycopg.connect(canvas_dsn) as conn, conn.transaction():
+            result = outbox_relay.apply_async(conn, user.step.s(tag="s1") | user.step.s(tag="s2"))
+        runs = _wait_steps(canvas_dsn, 2, "s1", "s2", procs=standalone)
+        assert [(r["tag"], r["task_id"]) for r in runs] == [
+            ("s1", result.parent.id),
+            ("s2", result.id),
+        ]
+        assert "canvas.step" not in standalone.procs[0].text()
+    finally:
+        consumer.stop_all()
+        standalone.stop_all()
 
 
 # --------------------------------------------------------- broker outage

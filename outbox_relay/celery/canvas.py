@@ -234,6 +234,21 @@ def _exec_options(task: Any) -> dict[str, Any]:
     return options
 
 
+def _route(app: Any, node: Any) -> dict[str, str]:
+    """The queue ``app`` routes ``node`` to, by name.
+
+    Only the name: the relay's app finds the queue's exchange and routing key
+    in its own ``task_queues`` (your app's, with ``install(app)``), and an
+    option given to a whole group or chord (``queue=``) still overrides it,
+    as it would a task's own queue.
+    """
+    if any(node.options.get(k) for k in ("queue", "exchange", "routing_key")):
+        return {}  # given: Celery's send uses it as it is
+    route = app.amqp.router.route({}, node.task, tuple(node.args), dict(node.kwargs))
+    queue = route.get("queue")
+    return {} if queue is None else {"queue": str(getattr(queue, "name", queue))}
+
+
 def _root_id(result: Any) -> str:
     node = result
     while getattr(node, "parent", None) is not None:
@@ -333,8 +348,13 @@ def prepare_canvas(
     for node in walk(work, app, convert=True):
         if _is_task(node):
             # As Task.apply_async would at this call: the task's own routing
-            # and result options, under the signature's.
+            # and result options, under the signature's; then the route your
+            # app's task_routes and queues give it. Routing is the caller's
+            # app's decision, as with sig.apply_async(): a relay running
+            # another app (the standalone outbox_relay.app) would otherwise
+            # send your tasks to its own default queue, where nothing runs them.
             node.options = {**_exec_options(app.tasks[node.task]), **node.options}
+            node.options.update(_route(app, node))
 
     if task_id is not None:
         if not isinstance(task_id, str) or not task_id:
