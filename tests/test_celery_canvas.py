@@ -12,6 +12,7 @@ is written.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -472,6 +473,12 @@ def test_countdown_eta_and_expires_become_the_row_s_times() -> None:
     message, _ = prepare_canvas(sig.set(eta=now + timedelta(minutes=5)), {}, now=now)
     assert message.delay == timedelta(minutes=5) and "eta" not in message.payload["options"]
     assert "task_id" not in sig.options, "the caller's signature is not frozen"
+    # task_id= as Celery's apply_async takes it: the task's, the group's, a chain's last.
+    one = user.step.s(tag="again")
+    for canvas, kind in [(one, "AsyncResult"), (group(one, one), "GroupResult"), (one | one, "")]:
+        message, result = prepare_canvas(canvas, {"task_id": "given-id"}, now=now)
+        assert result.id == "given-id" and (not kind or type(result).__name__ == kind)
+        assert "given-id" in json.dumps(message.payload)
 
 
 def test_partial_arguments_go_where_celery_puts_them() -> None:

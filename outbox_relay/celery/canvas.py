@@ -273,7 +273,7 @@ def prepare_canvas(
     ``sig`` itself is left as it was (a copy is frozen). ``app`` is the app
     that must register every task (default: the signature's).
     """
-    from celery.canvas import Signature, group
+    from celery.canvas import Signature
 
     if not isinstance(sig, Signature):
         raise InvalidMessage(
@@ -306,8 +306,10 @@ def prepare_canvas(
     _check_json(sig, app)
     args, kwargs = options.pop("args", None), options.pop("kwargs", None)
     task_id = options.pop("task_id", None)
+    if task_id is not None and (not isinstance(task_id, str) or not task_id):
+        raise InvalidMessage(f"apply_async: task_id must be a non-empty string, not {task_id!r}")
     try:
-        _dumps([args, kwargs, task_id])
+        _dumps([args, kwargs])
     except (TypeError, ValueError) as exc:
         raise InvalidMessage(
             f"apply_async: task {sig.get('task')!r}: the arguments given to apply_async are "
@@ -319,16 +321,42 @@ def prepare_canvas(
     work = Signature.from_dict(json.loads(_dumps(sig)), app=app)
     if args or kwargs:
         work = _partial(work, tuple(args or ()), dict(kwargs or {}), app)
-    is_group = isinstance(work, group)
-    if is_group and (options.get("link") or options.get("link_error")):
+    timing.update((k, options.pop(k)) for k in ("countdown", "eta", "expires") if k in options)
+    delay = _delay(timing.get("countdown"), timing.get("eta"), now, app)
+    _set_options(work, options, timing.get("expires"), now, app)
+    for node in walk(work, app, convert=True):
+        if _is_task(node):
+            # As Task.apply_async would at this call: the task's own routing
+            # and result options, under the signature's; then the route your
+            # app's task_routes and queues give it. Routing is the caller's
+            # app's decision, as with sig.apply_async(): a relay running
+            # another app (the standalone outbox_relay.app) would otherwise
+            # send your tasks to its own default queue, where nothing runs them.
+            node.options = {**_exec_options(app.tasks[node.task]), **node.options}
+            node.options.update(_route(app, node))
+    result, root_id = _freeze(work, task_id, app)
+
+    message = NewMessage(
+        aggregate_type=CANVAS_AGGREGATE_TYPE,
+        aggregate_id=root_id,
+        event_type=CANVAS_EVENT_TYPE,
+        payload=json.loads(_dumps(work)),
+        delay=delay,
+    )
+    return message, result
+
+
+def _set_options(work: Any, options: dict[str, Any], expires: Any, now: datetime, app: Any) -> None:
+    """The options of this apply_async call on the canvas's outermost signature,
+    where Celery's own apply_async puts them (a link replaces the existing ones)."""
+    from celery.canvas import group
+
+    if isinstance(work, group) and (options.get("link") or options.get("link_error")):
         raise InvalidMessage(
             "apply_async: a group takes no link or link_error (Celery refuses them too); "
             "use a chord (group | callback), or link each task"
         )
     root = work.options
-    timing.update((k, options.pop(k)) for k in ("countdown", "eta", "expires") if k in options)
-    delay = _delay(timing.get("countdown"), timing.get("eta"), now, app)
-    expires = timing.get("expires")
     for key in ("link", "link_error"):
         if options.get(key) is not None:
             value = options.pop(key)
@@ -345,24 +373,15 @@ def prepare_canvas(
                     f"apply_async: option {key!r} is not JSON-serializable ({exc})"
                 ) from None
 
-    for node in walk(work, app, convert=True):
-        if _is_task(node):
-            # As Task.apply_async would at this call: the task's own routing
-            # and result options, under the signature's; then the route your
-            # app's task_routes and queues give it. Routing is the caller's
-            # app's decision, as with sig.apply_async(): a relay running
-            # another app (the standalone outbox_relay.app) would otherwise
-            # send your tasks to its own default queue, where nothing runs them.
-            node.options = {**_exec_options(app.tasks[node.task]), **node.options}
-            node.options.update(_route(app, node))
 
-    if task_id is not None:
-        if not isinstance(task_id, str) or not task_id:
-            raise InvalidMessage(
-                f"apply_async: task_id must be a non-empty string, not {task_id!r}"
-            )
-        if is_group or _is_task(work):
-            root["task_id"] = task_id
+def _freeze(work: Any, task_id: str | None, app: Any) -> tuple[Any, str]:
+    """Fix every id of the canvas in place; return its result and root id."""
+    from celery.canvas import group
+
+    if task_id is not None and (isinstance(work, group) or _is_task(work)):
+        # A group's id, or the task's; a chain's or chord's goes to its last
+        # task or body, as with Celery's apply_async(task_id=).
+        work.options["task_id"] = task_id
     result = work.freeze(_id=task_id)
     root_id = _root_id(result)
     for node in walk(work, app, convert=True):
@@ -371,15 +390,7 @@ def prepare_canvas(
         # Stable across re-sends: the relay's own task would otherwise
         # become the root of every task it sends.
         node.options.setdefault("root_id", root_id)
-
-    message = NewMessage(
-        aggregate_type=CANVAS_AGGREGATE_TYPE,
-        aggregate_id=root_id,
-        event_type=CANVAS_EVENT_TYPE,
-        payload=json.loads(_dumps(work)),
-        delay=delay,
-    )
-    return message, result
+    return result, root_id
 
 
 def _partial(node: Any, args: tuple[Any, ...], kwargs: dict[str, Any], app: Any) -> Any:
