@@ -456,6 +456,8 @@ def test_options_that_cannot_go_through_the_outbox_are_refused() -> None:
         prepare_canvas(group(sig, sig), {"link": sig})
     with pytest.raises(InvalidMessage, match="needs a Celery signature"):
         prepare_canvas(user.step, {})
+    with pytest.raises(InvalidMessage, match="needs a psycopg 3 connection, a SQLAlchemy"):
+        outbox_relay.apply_async(object(), sig)
 
 
 def test_countdown_eta_and_expires_become_the_row_s_times() -> None:

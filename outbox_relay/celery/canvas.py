@@ -439,9 +439,14 @@ def _write(conn: Any, outbox: Outbox, message: NewMessage) -> int:
         # transaction of its own, as a lone Model.save() would be).
         with transaction.atomic(using=alias):
             return outbox.enqueue_many(on_django.psycopg_connection(alias), [message])[0]
+    hint = (
+        "; for an AsyncConnection, await outbox_relay.aio.apply_async(...)"
+        if isinstance(conn, psycopg.AsyncConnection)
+        else ""
+    )
     raise InvalidMessage(
         "apply_async needs a psycopg 3 connection, a SQLAlchemy Session or Connection, or a "
-        f"Django connection, not {type(conn).__name__}"
+        f"Django connection, not {type(conn).__name__}{hint}"
     )
 
 
