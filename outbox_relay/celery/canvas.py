@@ -475,10 +475,12 @@ class CanvasPublisher:
     it, never run inline; the tasks' own options were added by the producer.
     """
 
-    def __init__(self, app: Any, *, budget: float) -> None:
+    def __init__(self, app: Any, *, budget: float, concurrency: int = 1) -> None:
         if not budget > 0:
             raise ValueError(f"budget must be greater than 0, got {budget!r}")
         self.relay_app = app
+        # Publishes of one chunk at once: each holds a pooled connection.
+        self.concurrency = max(int(concurrency), 1)
         self.connect_timeout = budget / 3.0
         self.publish_timeout = (budget - self.connect_timeout) / 2.0
         self._app: PerProcess[Any] = PerProcess(self._build_app)
@@ -512,6 +514,9 @@ class CanvasPublisher:
             broker_transport_options=transport,
             broker_connection_timeout=self.connect_timeout,
             broker_connection_retry=False,
+            # A chunk's concurrent sends would otherwise wait for a pooled
+            # connection, outside every timeout (the pool blocks).
+            broker_pool_limit=max(int(conf.get("broker_pool_limit") or 10), self.concurrency),
             task_publish_retry=False,
             # Never run a canvas inside the relay.
             task_always_eager=False,

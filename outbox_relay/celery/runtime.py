@@ -368,7 +368,10 @@ class Installation:
         base = self._resolve_publisher()
         wrapped = _translate_celery_retry(base)
         wrapped.timeout_seconds = publisher_timeout(base)  # type: ignore[attr-defined]
-        canvas = CanvasPublisher(self.app, budget=self.settings.publish_timeout_seconds)
+        s = self.settings
+        canvas = CanvasPublisher(
+            self.app, budget=s.publish_timeout_seconds, concurrency=s.publish_concurrency
+        )
         return Router({CANVAS_EVENT_TYPE: canvas}, default=wrapped)
 
     def services(self) -> Services:
