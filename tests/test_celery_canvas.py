@@ -353,6 +353,25 @@ def test_the_broker_down_at_commit_loses_nothing(
     wait_for(lambda: {r[1] for r in _canvas_rows(canvas_dsn)} == {"done"}, timeout=30, what="done")
 
 
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "amqp://guest:guest@127.0.0.1:1//"])
+def test_a_broker_that_refuses_is_a_retry_within_the_budget(url: str) -> None:
+    from outbox_relay import Message
+    from outbox_relay.errors import RetryableError
+
+    publisher = CanvasPublisher(Celery("down", broker=url, set_as_current=False), budget=3.0)
+    row, _ = prepare_canvas(user.step.s(tag="x"), {})
+    message = Message(
+        1, "k", "celery", row.aggregate_id, row.event_type, row.payload, {}, 1, 1, None
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(RetryableError, match="canvas of outbox message 1"):
+            publisher(message)
+    finally:
+        publisher.close()
+    assert time.monotonic() - started < 3.0 + 1.0, "no retry loop inside the send"
+
+
 # ------------------------------------------------------------------ re-send
 def test_a_resend_sends_the_same_ids_and_the_inbox_applies_once(
     canvas_dsn: str, relay: Any
