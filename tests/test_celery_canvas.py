@@ -437,6 +437,10 @@ def test_a_chain_over_rabbitmq_with_publisher_confirms(canvas_dsn: str, relay: A
             lambda: user.step.s(tag="x") | user.app.signature("canvas.nope"),
             "no task named 'canvas.nope'",
         ),
+        (
+            lambda: user.step.s(tag="x").set(link=user.app.signature("canvas.after")),
+            "no task named 'canvas.after'",
+        ),
         (lambda: user.step.s(Decimal("9.99")), "task 'canvas.step': its arguments are not JSON"),
         (
             lambda: group(user.step.s(), user.collect.s(tag=object())),
