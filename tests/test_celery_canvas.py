@@ -372,6 +372,27 @@ def test_a_broker_that_refuses_is_a_retry_within_the_budget(url: str) -> None:
     assert time.monotonic() - started < 3.0 + 1.0, "no retry loop inside the send"
 
 
+def test_headers_given_to_a_whole_canvas_still_carry_the_row() -> None:
+    from outbox_relay import Message
+
+    publisher = CanvasPublisher(user.app, budget=3.0)
+    for canvas in (user.step.s() | user.step.s(), group(user.step.s(), user.step.s())):
+        row, _ = prepare_canvas(canvas, {"headers": {"traceparent": "00-abc-01"}})
+        message = Message(
+            9, "k", "celery", row.aggregate_id, row.event_type, row.payload, {}, 1, 3, None
+        )
+        rebuilt = publisher.signature(message)
+        # Celery lets the outer headers replace a task's own when it sends it.
+        assert rebuilt.options["headers"] == {
+            "traceparent": "00-abc-01",
+            "outbox-id": 9,
+            "outbox-lease-version": 3,
+        }
+        for task in rebuilt.tasks:
+            assert task.options["headers"]["outbox-id"] == 9
+            assert task.options["argsrepr"] == "(outbox #9 v3)"
+
+
 # ------------------------------------------------------------------ re-send
 def test_a_resend_sends_the_same_ids_and_the_inbox_applies_once(
     canvas_dsn: str, relay: Any

@@ -542,6 +542,7 @@ class CanvasPublisher:
         app = self.app
         sig = Signature.from_dict(json.loads(_dumps(message.payload)), app=app)
         row = f"outbox #{message.id} v{message.lease_version}"
+        ours = {"outbox-id": message.id, "outbox-lease-version": message.lease_version}
         for node in walk(sig, app, convert=True):
             if _is_task(node):
                 kwargs = dict(node.get("kwargs") or {})
@@ -550,12 +551,12 @@ class CanvasPublisher:
                 node.options.update(
                     argsrepr=f"({row})",
                     kwargsrepr="{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}",
-                    headers={
-                        **dict(node.options.get("headers") or {}),
-                        "outbox-id": message.id,
-                        "outbox-lease-version": message.lease_version,
-                    },
+                    headers={**dict(node.options.get("headers") or {}), **ours},
                 )
+            elif node.options.get("headers"):
+                # headers= given to a whole chain or group replace a task's own
+                # when Celery sends it: they carry the row too.
+                node.options["headers"] = {**dict(node.options["headers"]), **ours}
         return sig
 
     def __call__(self, message: Message) -> None:
