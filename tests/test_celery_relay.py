@@ -402,39 +402,6 @@ def test_beat_refuses_to_start_instead_of_running_an_empty_schedule(
 
 
 # --------------------------------------------------------------------------- helpers
-class EventTap:
-    """Collects the Celery events that workers started with -E send (what Flower reads)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with self.app.connection() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
-                self._ready.set()
-                while not self._stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        connection.drain_events(timeout=0.5)
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.events) if e.get("type") == kind]
-
-    def __enter__(self) -> EventTap:
-        self._thread.start()
-        self._ready.wait(10)
-        time.sleep(0.3)  # the subscription is in place before anything is sent
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
 def _client_app(broker: str) -> Any:
     from celery import Celery
 
