@@ -23,8 +23,10 @@ task_default_queue = "outbox"
 # The relay. Where the outbox lives (OUTBOX_DSN) and where messages go
 # (OUTBOX_PUBLISHER) are deliberately not set here: the relay reads them from
 # the environment itself, or from the files OUTBOX_DSN_FILE and
-# OUTBOX_PUBLISHER_FILE name (Docker and Kubernetes secrets), and refuses to
-# start, naming the setting, when neither is given. Copying them into this
+# OUTBOX_PUBLISHER_FILE name (Docker and Kubernetes secrets). Without a DSN it
+# refuses to start, naming the setting; without a publisher it starts, says so,
+# and sends only the Celery tasks written with outbox_relay.apply_async (any
+# other row ends dead, its reason naming OUTBOX_PUBLISHER). Copying them into this
 # module would put their passwords among the Celery settings that
 # `celery report`, `celery inspect conf` and Flower print. (The relay masks
 # the outbox_* settings it knows to hold secrets, but a value that never

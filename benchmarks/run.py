@@ -20,6 +20,11 @@ server, broker and pool. Scenarios:
   (``benchmarks/pgqueuer_bench.py``; needs the ``bench`` extra).
 * latency: commit-to-publish p50/p99 for messages enqueued one by one while
   the relay idles, with LISTEN/NOTIFY and with polling only.
+* canvas: ``--canvas-messages`` business transactions each sending a no-op
+  Celery task, into one worker: ``outbox_relay.apply_async`` in the
+  transaction and relayed (per-message, and chunked ``--chunk``), against
+  ``sig.apply_async()`` right after each commit (the on_commit style). Also
+  the producer's transactions per second for each.
 
 Throughput is messages per second from the first message leaving ``pending``
 (or the first task consumed) to the last one done. Results go to stdout and
@@ -388,6 +393,96 @@ def latency(admin: str, broker: str, *, listen: bool, messages: int, interval: f
 
 
 # ------------------------------------------------------------------ report
+def canvas(admin: str, broker: str, n: int, procs: int, *, outbox: bool, chunk: int = 1) -> Figure:
+    """A no-op task sent from ``n`` business transactions, until a worker ran them all.
+
+    ``outbox``: ``outbox_relay.apply_async`` inside each transaction (written
+    first, then relayed: the figure is the relay's, from the first row
+    claimed to the last task consumed); else the on-commit style,
+    ``sig.apply_async()`` right after each commit, with the worker already
+    consuming (from the first send to the last task consumed).
+    """
+    from benchmarks.canvas_app import app, noop
+
+    app.conf.broker_url = broker
+    client = redis_client(broker)
+    client.delete("bench-canvas", "outbox")
+    with database(admin) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY)")
+        write_seconds = 0.0
+        if outbox:
+            t0 = time.monotonic()
+            with psycopg.connect(dsn) as conn:
+                for i in range(1, n + 1):
+                    with conn.transaction():
+                        conn.execute("INSERT INTO bench_items (id) VALUES (%s)", (i,))
+                        app.outbox_relay.outbox.apply_async(conn, noop.s(i))
+            write_seconds = time.monotonic() - t0
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        chunked: dict[str, Any] = (
+            {"batch_size": chunk * 4, "max_in_flight": chunk * 16, "publish_concurrency": chunk}
+            if chunk > 1
+            else {}
+        )
+        env = celery_env(dsn, broker, chunk_size=chunk, **chunked)
+        runner = CeleryProcs(env, folder, app="benchmarks.canvas_app")
+        try:
+            worker = runner.worker(
+                concurrency=procs, ready=False, events=False, args=("-l", "warning")
+            )
+            progress = Progress(dsn)
+
+            def consumed_all() -> bool:
+                return client.llen("bench-canvas") == 0 and client.hlen("unacked") == 0
+
+            try:
+                if outbox:
+
+                    def started() -> bool:
+                        if not worker.alive():
+                            raise RuntimeError(f"canvas: worker exited:\n{worker.text()[-2000:]}")
+                        return progress.started()
+
+                    def finished() -> bool:
+                        return progress.finished() and consumed_all()
+
+                    seconds = wait_progress(started, finished, timeout=900, poll=0.05)
+                    if progress.done() != n:
+                        raise RuntimeError(f"canvas: only {progress.done()} of {n} done")
+                else:
+                    # One task first, so that the clock starts with the worker consuming.
+                    noop.apply_async((0,))
+                    wait_progress(lambda: True, consumed_all, timeout=120, poll=0.05)
+                    t0 = time.monotonic()
+                    with psycopg.connect(dsn) as conn:
+                        for i in range(1, n + 1):
+                            with conn.transaction():
+                                conn.execute("INSERT INTO bench_items (id) VALUES (%s)", (i,))
+                            noop.apply_async((i,))  # on_commit: after the commit
+                    write_seconds = time.monotonic() - t0
+                    deadline = time.monotonic() + 900
+                    while not consumed_all() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    seconds = time.monotonic() - t0
+            finally:
+                progress.close()
+        finally:
+            runner.stop_all()
+            shutil.rmtree(folder, ignore_errors=True)
+    if outbox:
+        mode = "per-message" if chunk == 1 else f"chunked ({chunk})"
+        name = f"apply_async via outbox, relayed {mode}, into no-op worker"
+    else:
+        name = "sig.apply_async() after commit (on_commit), into no-op worker"
+    note = (
+        f"{n / seconds:,.0f} tasks/s end to end; producer {n / write_seconds:,.0f} tx/s"
+        if seconds and write_seconds
+        else ""
+    )
+    return Figure(name, n, seconds, note)
+
+
 def ratio(a: Figure | None, b: Figure | None) -> str:
     if a is None or b is None or not b.rate:
         return "n/a"
@@ -408,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=2, help="Celery pool processes")
     parser.add_argument("--loop-procs", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=200)
+    parser.add_argument(
+        "--canvas-messages", type=int, default=5_000, help="canvas: business transactions"
+    )
     parser.add_argument("--only", default="", help="comma-separated scenario groups")
     args = parser.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
@@ -561,6 +659,14 @@ def main(argv: list[str] | None = None) -> int:
                         admin, bulk, 4, wait_seconds=0.02, name="pgqueuer x4 consumers, 20 ms jobs"
                     ),
                 )
+        if want("canvas"):
+            cn = args.canvas_messages
+            record("oncommit", canvas(admin, broker, cn, procs, outbox=False))
+            record("canvas", canvas(admin, broker, cn, procs, outbox=True))
+            record(
+                "canvas_chunked",
+                canvas(admin, broker, cn, procs, outbox=True, chunk=args.chunk),
+            )
         if want("latency"):
             record("lat_notify", latency(admin, broker, listen=True, messages=100, interval=5))
             record("lat_poll", latency(admin, broker, listen=False, messages=100, interval=1))
@@ -575,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         ("chunked / dispatch_once loop", "chunked", "plain"),
         ("chunked / pgqueuer (no-op)", "chunked", "pgq"),
         ("chunked 20 ms / pgqueuer 20 ms", "chunked_20ms", "pgq_20ms"),
+        ("apply_async via outbox / on_commit apply_async", "canvas", "oncommit"),
+        ("apply_async via outbox, chunked / on_commit", "canvas_chunked", "oncommit"),
     ]
     lines = ["| ratio | value |", "| --- | --- |"]
     for label, a, b in pairs:

@@ -1,7 +1,8 @@
 """outbox-relay: deliver transactional-outbox rows from PostgreSQL through Celery.
 
-The public API. Producers call ``enqueue`` (or ``Outbox.enqueue``) inside
-their business transaction; relays claim rows under a lease with a fencing
+The public API. Producers call ``enqueue`` (or ``Outbox.enqueue``), or
+``apply_async`` for a Celery task or canvas, inside their business
+transaction; relays claim rows under a lease with a fencing
 token (``lease_version``), publish outside any transaction, and finalize
 only while the fence holds.
 """
@@ -87,6 +88,7 @@ __all__ = [
     "Settings",
     "__version__",
     "aio",
+    "apply_async",
     "claim",
     "classify",
     "configure",
@@ -108,6 +110,16 @@ __all__ = [
     "rescue",
     "stats",
 ]
+
+
+def apply_async(conn: Any, sig: Any, **options: Any) -> Any:
+    """``sig.apply_async(**options)`` through the outbox of the process's default ``Outbox``.
+
+    One row in ``conn``'s transaction, sent by the relay after the commit;
+    returns the ``AsyncResult`` (``GroupResult`` for a group) with every task
+    id fixed now. See ``Outbox.apply_async`` and docs/celery.md.
+    """
+    return default_outbox().apply_async(conn, sig, **options)
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ gives the relay::
     # shop/views.py
     with conn.transaction():
         outbox.enqueue(conn, aggregate_type="order", ...)
+        outbox.apply_async(conn, send_receipt.s(order_id))
 
 Producers validate only these settings. Ordering is decided here and
 written on each row, so the relay can never order rows differently from how
@@ -140,6 +141,20 @@ class Outbox:
         from .aio import AsyncOutbox
 
         return AsyncOutbox(self)
+
+    def apply_async(self, conn: Any, sig: Any, **options: Any) -> Any:
+        """Write a Celery signature or canvas as one row in ``conn``'s transaction.
+
+        Returns at once what ``sig.apply_async(**options)`` would (an
+        ``AsyncResult``, a ``GroupResult`` for a group), with every task id
+        of the canvas fixed now; the relay sends it after the commit, with
+        those ids, however many times it takes. Nothing is sent if the
+        transaction rolls back. ``conn``: a psycopg connection, a SQLAlchemy
+        Session or Connection, or a Django connection. See docs/celery.md.
+        """
+        from .celery.canvas import apply_async
+
+        return apply_async(conn, self, sig, options)
 
     # --------------------------------------------------------------- relaying
     def install(self, app: Any, **settings: Any) -> Installation:

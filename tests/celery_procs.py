@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -183,7 +184,51 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+def pool_pids(worker: Proc) -> set[int]:
+    """The worker's process group: the main process and its pool children."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == worker.popen.pid:
+                    pids.add(int(entry))
+    return pids
+
+
 def counts(dsn: str) -> dict[str, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute("SELECT status, count(*) FROM outbox GROUP BY status").fetchall()
     return {status: n for status, n in rows}
+
+
+class EventTap:
+    """Collects the Celery events on the broker, as Flower does."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.events: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.app.connection() as conn:
+            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
+            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
+                self._ready.set()
+                while not self._stop.is_set():
+                    with contextlib.suppress(TimeoutError, OSError):
+                        connection.drain_events(timeout=0.5)
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in list(self.events) if e.get("type") == kind]
+
+    def __enter__(self) -> EventTap:
+        self._thread.start()
+        assert self._ready.wait(10)
+        time.sleep(0.3)  # subscribed before anything is sent
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(5)

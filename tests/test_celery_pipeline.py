@@ -33,8 +33,7 @@ from outbox_relay.inbox import InboxTask
 from outbox_relay.publishers import CeleryTaskPublisher, resolve_publisher
 
 from . import services
-from .apps import kit
-from .celery_procs import CeleryProcs, Proc, wait_for
+from .celery_procs import CeleryProcs, EventTap, pool_pids, wait_for
 
 pytestmark = pytest.mark.celery
 
@@ -82,6 +81,12 @@ def procs(tmp_path: Path) -> Iterator[Any]:
 def _queue() -> str:
     # The broker is shared: names of this test's own.
     return f"pl-{uuid.uuid4().hex[:10]}"
+
+
+def _client(broker: str) -> Celery:
+    app = Celery("pipeline-client", broker=broker, set_as_current=False)
+    app.conf.update(task_serializer="json", accept_content=["json"])
+    return app
 
 
 def _enqueue(dsn: str, n: int, payload: dict[str, Any] | None = None) -> int:
@@ -203,7 +208,7 @@ def test_a_task_or_signature_publisher_is_sent_not_run_inline(pipeline_dsn, proc
     )
     relay = p.worker(events=False)  # consumes the outbox queue, not the task's
     consumer = p.worker(events=False, args=("-Q", queue))
-    relay_pids = _pool_pids(relay)
+    relay_pids = pool_pids(relay)
     message_id = _enqueue(pipeline_dsn, 7)
     wait_for(
         lambda: _rows(pipeline_dsn, "SELECT 1 FROM runs"),
@@ -221,17 +226,6 @@ def test_a_task_or_signature_publisher_is_sent_not_run_inline(pipeline_dsn, proc
     assert tag == ("from-signature" if given == "signature" else None)
     assert "Task pipeline.record" in consumer.text()
     assert "pipeline.record" not in relay.text().split(" ready.", 1)[1]
-
-
-def _pool_pids(worker: Proc) -> set[int]:
-    """The worker's process group: the main process and its pool children."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry)) == worker.popen.pid:
-                    pids.add(int(entry))
-    return pids
 
 
 def test_a_task_object_given_in_code_is_never_called(conn) -> None:
@@ -302,8 +296,8 @@ def test_flower_sees_the_outbox_row_never_the_payload(pipeline_dsn, procs) -> No
         **_relay_env(),
     )
     worker = p.worker()  # -E: sends task events, as for Flower
-    ours = _pool_pids(worker)  # the broker is shared: only our worker's events
-    with kit.EventTap(kit.client_app(broker)) as tap:
+    ours = pool_pids(worker)  # the broker is shared: only our worker's events
+    with EventTap(_client(broker)) as tap:
         message_id = _enqueue(pipeline_dsn, 3)
         wait_for(lambda: _rows(pipeline_dsn, "SELECT 1 FROM runs"), timeout=60, what="ran")
         task_id = f"outbox-{message_id}"
@@ -358,8 +352,8 @@ def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
         OUTBOX_CLAIM_INTERVAL_SECONDS="1",
     )
     worker = p.worker()
-    ours = _pool_pids(worker)  # the broker is shared: only our worker's events
-    with kit.EventTap(kit.client_app(broker)) as tap:
+    ours = pool_pids(worker)  # the broker is shared: only our worker's events
+    with EventTap(_client(broker)) as tap:
         message_id = _enqueue(dsn, 9, {"fail": "permanent", "email": "x@example.com"})
         dead = wait_for(
             lambda: [
@@ -405,7 +399,7 @@ def _send_apply(
 ) -> None:
     """A fresh broker message for ``pipeline.apply`` (``declare=[]``: leave the
     queue to the worker, which declares it with its dead-letter arguments)."""
-    with contextlib.closing(kit.client_app(broker)) as client:
+    with contextlib.closing(_client(broker)) as client:
         client.send_task(
             "pipeline.apply", kwargs=kwargs, task_id=task_id, queue=queue, declare=declare
         )

@@ -24,7 +24,6 @@ import outbox_relay
 from outbox_relay import NewMessage
 
 from . import services
-from .apps import kit
 from .apps.recording import DDL
 from .celery_procs import CeleryProcs, counts, wait_for
 
@@ -239,7 +238,7 @@ def test_stale_task_does_not_publish(recorded_dsn, redis_broker, procs_factory):
         conn.execute("UPDATE outbox SET lease_until = now() - interval '1 second'")
         [second] = outbox_relay.claim(conn, owner="b", batch=1, lease=timedelta(seconds=30))
     assert second.lease_version == first.lease_version + 1
-    app = kit.client_app(redis_broker)
+    app = _client_app(redis_broker)
     app.send_task("outbox_relay.deliver", args=(message_id, first.lease_version), queue="outbox")
     wait_for(
         lambda: "outbox_relay.deliver" in worker.text() and "succeeded" in worker.text(),
@@ -259,7 +258,7 @@ def test_stale_publish_finalize_is_fenced_and_logged(recorded_dsn, redis_broker,
         [message_id] = outbox_relay.enqueue_many(
             conn, [NewMessage("order", "1", "order.created", {"sleep": 3})]
         )
-    app = kit.client_app(redis_broker)
+    app = _client_app(redis_broker)
     app.send_task("outbox_relay.claim", queue="outbox")
     wait_for(lambda: "outbox_relay.deliver[" in worker.text(), timeout=30, what="delivery start")
     time.sleep(0.5)  # the publish is now sleeping inside the worker
@@ -403,6 +402,14 @@ def test_beat_refuses_to_start_instead_of_running_an_empty_schedule(
 
 
 # --------------------------------------------------------------------------- helpers
+def _client_app(broker: str) -> Any:
+    from celery import Celery
+
+    app = Celery("test-client", broker=broker)
+    app.conf.task_serializer = "json"
+    return app
+
+
 def _row(dsn: str, message_id: int) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = outbox_relay.store.get_row(conn, message_id)

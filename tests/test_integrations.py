@@ -7,9 +7,6 @@ in a subprocess (tests/apps/django_check.py).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,8 @@ from sqlalchemy.orm import Session
 
 from outbox_relay import NewMessage
 from outbox_relay.integrations.sqlalchemy import enqueue, enqueue_many
+
+from .apps import kit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,16 +103,7 @@ def test_sqlalchemy_rejects_other_drivers() -> None:
 
 
 def test_django_atomic_commit_and_rollback(dsn: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.apps.django_check", dsn],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = kit.module_json("tests.apps.django_check", dsn)
     # The rolled-back order 2 and its message are both gone.
     assert found["orders"] == [1]
     assert sorted(found["outbox"].values()) == ["1", "3", "4", "5"]

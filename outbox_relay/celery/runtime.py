@@ -29,13 +29,14 @@ from .. import store
 from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
 from ..config import Settings, conceal, hide_secrets
 from ..db import PoolDatabase, bounded_connection_kwargs
-from ..errors import ConfigError, OutboxError, RetryableError
+from ..errors import ConfigError, OutboxError, PermanentError, RetryableError
 from ..model import Message
 from ..outbox import Outbox
 from ..publishers import CeleryTaskPublisher, Router, publisher_timeout, resolve_publisher
 from ..services import Claimer, Deliverer, LeaseKeeper, Observer, Publisher, Purger, Rescuer
 from ..services.policy import RetryPolicy
 from . import names
+from .canvas import CANVAS_EVENT_TYPE, CanvasPublisher
 from .events import Observers, TaskEvents
 from .options import annotations_for, retry_policy, time_limits
 
@@ -99,6 +100,15 @@ def _translate_celery_retry(publisher: Publisher) -> Publisher:
             raise RetryableError(f"publisher asked to retry: {exc}", retry_after=delay) from exc
 
     return publish
+
+
+def _no_publisher(message: Message) -> None:
+    """What a relay with no OUTBOX_PUBLISHER does with a row that is not a canvas."""
+    raise PermanentError(
+        f"no publisher for event type {message.event_type!r}: OUTBOX_PUBLISHER is not set "
+        "(this relay sends only rows written by outbox_relay.apply_async); set it, then "
+        "retry this row with `outbox-relay dead retry`"
+    )
 
 
 def _secret_strings(name: str, value: Any) -> list[str]:
@@ -281,6 +291,12 @@ class Installation:
     def _check_publisher(self) -> None:
         s = self.settings
         base = self._resolve_publisher()
+        if not s.publisher:
+            log.warning(
+                "outbox-relay: OUTBOX_PUBLISHER is not set: this relay sends the Celery tasks "
+                "written with outbox_relay.apply_async; any other row ends dead, its reason "
+                "naming OUTBOX_PUBLISHER (set it, then `outbox-relay dead retry --all`)"
+            )
         for target in _celery_targets(base):
             # A task name nobody registers: refused (relay's own app) or warned.
             warning = target.check_registered(self.app)
@@ -342,6 +358,9 @@ class Installation:
     # ----------------------------------------------------- process state
     def _resolve_publisher(self) -> Publisher:
         s = self.settings
+        if not s.publisher:
+            # A relay for apply_async alone needs no publisher of its own.
+            return _no_publisher
         try:
             return resolve_publisher(
                 s.publisher,
@@ -354,10 +373,16 @@ class Installation:
             raise ConfigError(_scrub_publisher(str(exc), s)) from None
 
     def publisher(self) -> Publisher:
+        """The configured publisher, except for rows written by ``apply_async``:
+        those are always a Celery canvas, sent through this app's broker."""
         base = self._resolve_publisher()
         wrapped = _translate_celery_retry(base)
         wrapped.timeout_seconds = publisher_timeout(base)  # type: ignore[attr-defined]
-        return wrapped
+        s = self.settings
+        canvas = CanvasPublisher(
+            self.app, budget=s.publish_timeout_seconds, concurrency=s.publish_concurrency
+        )
+        return Router({CANVAS_EVENT_TYPE: canvas}, default=wrapped)
 
     def services(self) -> Services:
         with self._lock:

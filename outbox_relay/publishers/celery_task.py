@@ -8,8 +8,9 @@ many times it arrives.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +24,13 @@ from ._options import as_callable_or, constructor_kwargs
 from ._process import PerProcess
 from .protocol import import_object
 
-__all__ = ["CeleryTaskPublisher", "is_celery_target", "message_kwargs"]
+__all__ = [
+    "CeleryTaskPublisher",
+    "did_you_mean",
+    "is_celery_target",
+    "message_kwargs",
+    "sending",
+]
 
 # The least a write or confirm may be given when the app's own connect
 # timeout leaves less of the budget (the start-up check then refuses).
@@ -269,9 +276,7 @@ class CeleryTaskPublisher:
                 known.update(str(name) for name in app.tasks)
         if self.task_name in known:
             return None
-        candidates = sorted(n for n in known if not n.startswith("celery."))
-        close = difflib.get_close_matches(self.task_name, candidates, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(self.task_name, known)
         if strict:
             raise ConfigError(
                 f"{setting}: no task named {self.task_name!r} is registered in the relay's "
@@ -356,22 +361,38 @@ class CeleryTaskPublisher:
         args, kwargs = self.arguments(message)
         options = self.send_options(message, args, kwargs)
         app = self.app
-        try:
+        with sending(app, f"task {self.task_name}"):
             # send_task, not Task.apply_async: it never runs the task inline
             # (task_always_eager applies only to apply_async), and it needs
             # no local registration of the task.
             app.send_task(self.task_name, args=args, kwargs=kwargs, **options)
-        except kombu.exceptions.EncodeError as exc:
-            raise PermanentError(
-                f"task {self.task_name}: arguments cannot be serialized: {exc}"
-            ) from exc
-        except (kombu.exceptions.KombuError, OSError) as exc:
-            raise RetryableError(f"task {self.task_name}: {type(exc).__name__}: {exc}") from exc
-        except Exception as exc:
-            errors = _broker_errors(app)
-            if isinstance(exc, errors):
-                raise RetryableError(f"task {self.task_name}: {type(exc).__name__}: {exc}") from exc
-            raise
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` with the closest of ``known`` task names, or ``""``."""
+    candidates = sorted(n for n in known if not n.startswith("celery."))
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@contextlib.contextmanager
+def sending(app: Any, what: str) -> Iterator[None]:
+    """Translate what a send through ``app`` raises into the relay's failure classes.
+
+    Broker errors (connection, channel, timeout) are retryable, so the row is
+    rescheduled in the database; arguments that cannot be encoded never will
+    be, so they are permanent.
+    """
+    try:
+        yield
+    except kombu.exceptions.EncodeError as exc:
+        raise PermanentError(f"{what}: arguments cannot be serialized: {exc}") from exc
+    except (kombu.exceptions.KombuError, OSError) as exc:
+        raise RetryableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        if isinstance(exc, _broker_errors(app)):
+            raise RetryableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise
 
 
 @dataclass(frozen=True)

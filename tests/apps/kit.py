@@ -6,7 +6,6 @@ apps they drive, so those tests share one copy).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -219,6 +218,21 @@ def wait_until(
         time.sleep(interval)
 
 
+def module_json(module: str, *args: str, timeout: float = 60.0) -> Any:
+    """Run ``python -m module args...`` (a scenario needing a process of its own,
+    such as Django's once-per-process settings) and parse its last output line."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def client_app(broker: str) -> Any:
     """A Celery app that only sends tasks (what a web process holds)."""
     from celery import Celery
@@ -272,37 +286,3 @@ def active_queues(
                 return sorted(q["name"] for q in replies[nodename])
         time.sleep(0.5)
     raise AssertionError(f"no active_queues reply from {nodename}:\n{last[-3000:]}")
-
-
-class EventTap:
-    """Collects the Celery events that workers started with -E send, as
-    Flower does."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with self.app.connection() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            with receiver.consumer_context(wakeup=False) as (connection, _channel, _consumers):
-                self._ready.set()
-                while not self._stop.is_set():
-                    with contextlib.suppress(TimeoutError, OSError):
-                        connection.drain_events(timeout=0.5)
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.events) if e.get("type") == kind]
-
-    def __enter__(self) -> EventTap:
-        self._thread.start()
-        assert self._ready.wait(10), "could not subscribe to the workers' events"
-        time.sleep(0.3)  # the subscription is in place before anything is sent
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(5)
