@@ -5,7 +5,7 @@
             await conn.execute("INSERT INTO orders ...")
             await outbox_relay.aio.enqueue(conn, aggregate_type="order", ...)
 
-``enqueue``, ``enqueue_many`` and ``migrate`` behave exactly as the sync ones:
+``enqueue``, ``enqueue_many``, ``migrate`` and ``apply_async`` behave exactly as the sync ones:
 validation (``producer.prepare``) before anything is written, a savepoint
 inside the caller's transaction, the ``operation_key`` rules and
 ``OperationKeyConflict``, the ordering advisory lock, NOTIFY. They share the
@@ -31,7 +31,7 @@ from .table import OutboxTable
 if TYPE_CHECKING:
     from .outbox import Outbox
 
-__all__ = ["AsyncOutbox", "enqueue", "enqueue_many", "migrate"]
+__all__ = ["AsyncOutbox", "apply_async", "enqueue", "enqueue_many", "migrate"]
 
 
 async def migrate(conn: AsyncConn, *, table: OutboxTable | str | None = None) -> list[int]:
@@ -108,12 +108,29 @@ async def enqueue(
 
 
 # --- apply_async -------------------------------------------------------------
-# MERGE POINT (issue 12 / the canvas work): ``aio.apply_async(conn, sig, **options)``
-# goes here. It should call the canvas module's pure "sig -> row fields"
-# function, then ``enqueue_many`` above with the NewMessage it builds, and
-# return the AsyncResult exactly as the sync ``outbox_relay.apply_async``
-# does; ``AsyncOutbox.apply_async`` below forwards to it. Add "apply_async" to
-# __all__ then.
+async def apply_async(
+    conn: AsyncConn, sig: Any, *, settings: ProducerSettings | None = None, **options: Any
+) -> Any:
+    """``outbox_relay.apply_async`` as a coroutine: ``sig`` (a task or a whole
+    canvas) as one row in the caller's transaction; returns at once what
+    ``sig.apply_async(**options)`` would, with every task id fixed now. The
+    same row, the same checks (tasks registered, JSON arguments) as the sync
+    one: both build it with ``celery.canvas.prepare_canvas``. ``settings``:
+    the producer settings (default: the process's default ``Outbox``)."""
+    from .celery.canvas import is_durable, prepare_canvas
+
+    if is_durable(sig):
+        from .celery.durable import prepare_durable  # type: ignore[import-not-found, unused-ignore]
+
+        message, result = prepare_durable(sig, dict(options))
+    else:
+        message, result = prepare_canvas(sig, options)
+    if settings is None:
+        from .outbox import default_outbox
+
+        settings = default_outbox().settings
+    await enqueue_many(conn, [message], settings=settings)
+    return result
 
 
 class AsyncOutbox:
@@ -159,5 +176,6 @@ class AsyncOutbox:
         """Migrate this outbox's table."""
         return await migrate(conn, table=self._outbox.table)
 
-    # MERGE POINT: async def apply_async(self, conn, sig, **options) -> AsyncResult,
-    # forwarding to the module-level aio.apply_async with this outbox's settings.
+    async def apply_async(self, conn: AsyncConn, sig: Any, **options: Any) -> Any:
+        """``Outbox.apply_async`` as a coroutine."""
+        return await apply_async(conn, sig, settings=self._outbox.settings, **options)

@@ -383,3 +383,47 @@ def test_asyncpg_transaction_begun_by_hand_is_refused_with_a_clear_error(dsn: st
             await conn.close()
 
     assert asyncio.run(main()) == 0
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "asyncpg"])
+def test_aio_apply_async_writes_the_canvas_row_with_the_ids_it_returns(
+    driver: str, dsn: str
+) -> None:
+    from celery import chain
+
+    from .apps import canvas as user
+
+    async def connect() -> Any:
+        if driver == "psycopg":
+            return await psycopg.AsyncConnection.connect(dsn)
+        return await asyncpg.connect(**asyncpg_kwargs(dsn))
+
+    async def write(commit: bool) -> Any:
+        conn = await connect()
+        try:
+            sig = chain(user.step.s(tag="a"), user.step.s(tag="b"))
+            if driver == "psycopg":
+                async with conn.transaction(force_rollback=not commit):
+                    return await aio.apply_async(conn, sig)
+            tx = conn.transaction()
+            await tx.start()
+            result = await outbox_relay.Outbox().aio.apply_async(conn, sig)
+            await (tx.commit() if commit else tx.rollback())
+            return result
+        finally:
+            await conn.close()
+
+    kept = asyncio.run(write(commit=True))
+    dropped = asyncio.run(write(commit=False))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT event_type, aggregate_id, payload::text FROM outbox ORDER BY id"
+        ).fetchall()
+    assert len(rows) == 1, rows  # the rolled-back one left nothing
+    event_type, root, payload = rows[0]
+    assert event_type == "celery.apply_async"
+    # The chain's result is its last task's; its parent is the first: both
+    # ids were fixed before the commit and are the ones the row will send.
+    assert root == kept.parent.id
+    assert kept.id in payload and kept.parent.id in payload
+    assert dropped.id not in payload
