@@ -195,5 +195,12 @@ class PoolDatabase:
                     log.warning("database connection lost; retrying on a new connection")
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def connection(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+        """A pooled connection held across more than one call: a durable task's
+        effect transaction, open while its body runs. The watchdog does not
+        watch it (a body may take long); the caller bounds the transaction on
+        the server instead (``store.bound_transaction``)."""
+        return self.pool.connection(timeout=self.timeout)
+
     def close(self) -> None:
         self.pool.close()

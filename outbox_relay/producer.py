@@ -24,7 +24,12 @@ from .store._base import begin_caller_transaction
 from .store.producer import insert_messages
 from .table import OutboxTable
 
-__all__ = ["NewMessage", "enqueue", "enqueue_many"]
+__all__ = ["RESERVED_EVENT_TYPES", "NewMessage", "enqueue", "enqueue_many"]
+
+# Event types outbox-relay writes itself: a durable Celery task's row, which
+# the relay runs as that task. A plain message of this type would be sent as
+# a task too, so only the library's own writers may use it.
+RESERVED_EVENT_TYPES = frozenset({"celery.durable"})
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ def enqueue_many(
     notify: bool | None = None,
     max_payload_bytes: int | None = None,
     now: datetime | None = None,
+    allow_reserved: bool = False,
 ) -> list[int]:
     """Insert many messages in the caller's transaction; return their ids in order.
 
@@ -117,6 +123,14 @@ def enqueue_many(
     message; an ordered message takes its aggregate's lock (so that id order
     equals commit order) and is marked ordered on its row.
     """
+    if not allow_reserved:
+        messages = list(messages)
+        for m in messages:
+            if m.event_type in RESERVED_EVENT_TYPES:
+                raise InvalidMessage(
+                    f"event_type {m.event_type!r} is reserved for durable Celery tasks; "
+                    "write one with outbox_relay.celery.write_durable() or task.enqueue()"
+                )
     if settings is None:
         settings = producer_settings()
     outbox = OutboxTable.parse(table if table is not None else settings.table)

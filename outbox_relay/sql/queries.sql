@@ -178,8 +178,15 @@ WITH ready AS (
                                 ELSE 'processing' END,
            lease_owner   = CASE WHEN o.attempts >= %(max_attempts)s THEN NULL
                                 ELSE %(owner)s END,
+           -- A durable Celery task's row carries its own lease (queue wait +
+           -- body time, the task's outbox_lease_seconds, written by its
+           -- producer in headers); every other row gets the relay's.
            lease_until   = CASE WHEN o.attempts >= %(max_attempts)s THEN NULL
-                                ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+                                ELSE coalesce(%(now)s::timestamptz, now()) + CASE
+                                    WHEN o.event_type = 'celery.durable'
+                                     AND o.headers ? 'lease_seconds'
+                                    THEN make_interval(secs => (o.headers->>'lease_seconds')::float8)
+                                    ELSE %(lease)s::interval END
                            END,
            lease_version = o.lease_version + 1,
            attempts      = CASE WHEN o.attempts >= %(max_attempts)s THEN o.attempts
@@ -324,3 +331,12 @@ LISTEN {channel};
 -- name: table_exists
 -- format('%%I.%%I') quotes both names, so mixed-case names are found as written.
 SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT NULL;
+
+-- name: bound_durable_transaction
+-- The transaction a durable task's body writes its effect in (committed with
+-- the row's fenced 'done'). A relay connection ends a session idle in a
+-- transaction after the database timeout; a body may think for longer than
+-- that between statements, but never for longer than its lease (past it the
+-- run is stale and its effect must roll back anyway).
+SELECT set_config('idle_in_transaction_session_timeout', %(value)s, true),
+       set_config('statement_timeout', %(value)s, true);
