@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+import psycopg.errors
 from celery.exceptions import Retry
 
 from .. import store
@@ -83,7 +84,9 @@ class _Run:
     task: Any
     ref: LeaseRef
     services: Services
-    lease_seconds: float
+    # The longest the run can still be the row's holder: renewals stop after
+    # the task's longest run, and the lease then lasts one more length.
+    bound_seconds: float
     stack: ExitStack = field(default_factory=ExitStack)
     conn: psycopg.Connection[Any] | None = None
 
@@ -91,7 +94,7 @@ class _Run:
         if self.conn is None:
             conn = self.stack.enter_context(self.services.db.connection())
             self.stack.enter_context(conn.transaction())
-            store.bound_transaction(conn, self.lease_seconds)
+            store.bound_transaction(conn, self.bound_seconds)
             self.conn = conn
         return self.conn
 
@@ -133,7 +136,11 @@ def _policy(task: Any, inst: Installation) -> RetryPolicy:
         # A database connection lost or a statement cancelled (the run's
         # transaction is bounded by its lease) is the infrastructure's
         # failure, not the body's: retried like autoretry_for's classes.
-        retry_on = (*cached.retry_on, psycopg.OperationalError)
+        retry_on = (
+            *cached.retry_on,
+            psycopg.OperationalError,
+            psycopg.errors.IdleInTransactionSessionTimeout,
+        )
         cached = dataclasses.replace(cached, retry_on=retry_on)
         task.__dict__["_outbox_policy"] = cached
     return cached  # type: ignore[no-any-return]
@@ -182,7 +189,7 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         log.info("not running %s[%s]: outbox #%s %s", task.name, task.request.id, ref.id, reason)
         return None
     claimed = began.claimed
-    current = _Run(task, ref, services, lease)
+    current = _Run(task, ref, services, _max_run(task) + lease)
     keeper = services.keeper_for(lease)
     _local.run = current
     try:
@@ -284,4 +291,8 @@ def _failed(
         )
         # Celery's RETRY state for monitoring; nothing is sent to the broker
         # (the row's available_at is the retry).
-        raise Retry(outcome.error, exc=exc, when=seconds) from exc
+        raise Retry(
+            f"rescheduled in the database, due in {seconds:.1f}s: {outcome.error}",
+            exc=exc,
+            when=seconds,
+        ) from exc

@@ -336,7 +336,8 @@ SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT N
 -- The transaction a durable task's body writes its effect in (committed with
 -- the row's fenced 'done'). A relay connection ends a session idle in a
 -- transaction after the database timeout; a body may think for longer than
--- that between statements, but never for longer than its lease (past it the
--- run is stale and its effect must roll back anyway).
+-- that between statements, but not past the end of its last possible lease
+-- (its longest run plus one lease): after that the run is stale, its effect
+-- must roll back anyway, and its locks must not block the run that replaced it.
 SELECT set_config('idle_in_transaction_session_timeout', %(value)s, true),
        set_config('statement_timeout', %(value)s, true);

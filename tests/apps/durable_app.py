@@ -75,11 +75,13 @@ _DURABLE: dict[str, Any] = {"base": DurableTask, "bind": True, "outbox_lease_sec
 
 @app.task(name="durable.effect", **_DURABLE)
 def effect(self: Any, key: str, sleep: float = 0.0) -> str:
-    """Writes one effect; its first run sleeps ``sleep`` seconds after writing it."""
+    """Writes one effect, then sleeps: ``sleep`` seconds on its first run, and
+    always ``DURABLE_SLOW`` seconds in a worker started with that variable."""
     first = _runs(key) == 1
     _effect(self, key)
-    if first and sleep:
-        time.sleep(sleep)
+    pause = float(os.environ.get("DURABLE_SLOW") or 0) or (sleep if first else 0.0)
+    if pause:
+        time.sleep(pause)
     return key
 
 
