@@ -11,7 +11,11 @@ predecessor's ``done``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -374,3 +378,68 @@ def test_a_chain_runs_each_step_after_the_previous_committed(setup) -> None:
     # A plain last step is handed to Celery by the relay, with its fixed id.
     tail = {value: task_id for task_id, value in _effects(s.dsn, "tail")}
     assert tail["plain got tail:from-first"] == handoff.id
+
+
+# ------------------------------------------------------------------- docs
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "durable.md"
+
+
+def test_the_docs_example_runs_as_written(dsn, tmp_path) -> None:
+    """docs/durable.md's example app and commands, on this test's database and Redis."""
+    text = DOCS.read_text()
+    section = text[text.index("## Example") : text.index("## What the row records")]
+    (tmp_path / "shop_tasks.py").write_text(section.split("```python\n")[1].split("```")[0])
+    commands = section.split("```sh\n")[1].split("```")[0].strip().splitlines()
+    env = {
+        **os.environ,
+        "OUTBOX_DSN": dsn,
+        "CELERY_BROKER_URL": services.redis_url(),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    # This checkout's package (the shared virtualenv may install another).
+    env["PYTHONPATH"] = str(DOCS.parent.parent)
+    background: list[subprocess.Popen[bytes]] = []
+    logs = tmp_path / "procs.log"
+    try:
+        with logs.open("wb") as log:
+            for line in commands:
+                if line.startswith("export "):
+                    continue  # the test's own database and broker instead
+                if line.endswith("&"):
+                    background.append(
+                        subprocess.Popen(
+                            line[:-1],
+                            shell=True,
+                            cwd=tmp_path,
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+                    continue
+                if line.startswith("sleep "):
+                    # "sleep 10; check": poll the check instead of trusting 10 s.
+                    check = line.split(";", 1)[1].split("#", 1)[0].strip()
+
+                    def shipped(check: str = check) -> bool:
+                        out = subprocess.run(
+                            check, shell=True, cwd=tmp_path, env=env, capture_output=True
+                        )
+                        return out.stdout.strip().endswith(b"shipped")
+
+                    wait_for(shipped, timeout=60, what=f"shipped\n{logs.read_text()[-3000:]}")
+                    continue
+                out = subprocess.run(
+                    line, shell=True, cwd=tmp_path, env=env, capture_output=True, timeout=60
+                )
+                assert out.returncode == 0, f"{line}: {out.stdout!r} {out.stderr!r}"
+    finally:
+        for proc in background:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert _rows(dsn, "SELECT status, count(*) FROM outbox GROUP BY status") == [("done", 2)]
