@@ -407,15 +407,22 @@ def fill_durable(dsn: str, n: int) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def durable(admin: str, broker: str, n: int, procs: int) -> Figure:
-    """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool."""
+def durable(admin: str, broker: str, n: int, procs: int, *, in_flight: int) -> Figure:
+    """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool.
+
+    With beat, as in production: the in-flight cap (``in_flight``) bounds
+    how many tasks wait in the queue; sized so that they run within their
+    lease, or they expire there and are sent again a lease later.
+    """
     with database(admin) as dsn:
         fill_durable(dsn, n)
         client = redis_client(broker)
         client.delete("outbox", "bench-durable")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        runner = CeleryProcs(celery_env(dsn, broker), folder, app="benchmarks.durable_app")
+        env = celery_env(dsn, broker, max_in_flight=in_flight)
+        runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
         try:
+            runner.beat()
             worker = runner.worker(
                 concurrency=procs, ready=False, events=False, args=("-l", "warning")
             )
@@ -440,7 +447,9 @@ def durable(admin: str, broker: str, n: int, procs: int) -> Figure:
         finally:
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
-    return Figure("durable task (UPDATE with its done), relay-sent", n, seconds)
+    return Figure(
+        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}", n, seconds
+    )
 
 
 # ------------------------------------------------------------------ report
@@ -464,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--procs", type=int, default=2, help="Celery pool processes")
     parser.add_argument("--loop-procs", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=200)
+    parser.add_argument(
+        "--in-flight", type=int, default=1000, help="OUTBOX_MAX_IN_FLIGHT of the durable group"
+    )
     parser.add_argument("--only", default="", help="comma-separated scenario groups")
     args = parser.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
@@ -621,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             # The plain task first, then the durable one: minutes apart at most.
             if "update" not in figures:
                 record("update", ceiling(admin, broker, n, procs, "update"))
-            record("durable", durable(admin, broker, n, procs))
+            record("durable", durable(admin, broker, n, procs, in_flight=args.in_flight))
             print(
                 f"  durable / Celery UPDATE task: {ratio(figures['durable'], figures['update'])}",
                 flush=True,

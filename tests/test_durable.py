@@ -29,7 +29,7 @@ from celery import Celery, chain
 
 import outbox_relay
 from outbox_relay.celery import DurableTask, write_durable
-from outbox_relay.errors import ConfigError, InvalidMessage
+from outbox_relay.errors import ConfigError, InvalidMessage, OutboxError
 from tests.apps import durable_app
 from tests.apps.durable_app import boom, effect, exhaust, first, flaky, plain, second
 
@@ -192,6 +192,22 @@ def test_a_bad_lease_setting_fails_where_the_task_is_defined() -> None:
         task.name  # noqa: B018  # Celery defines the task on first use
 
 
+def test_a_direct_call_runs_the_body_untracked() -> None:
+    app = Celery("direct", set_as_current=False)
+
+    @app.task(base=DurableTask, bind=True, name="direct.add")
+    def add(self: Any, a: int, b: int) -> int:
+        return a + b
+
+    @app.task(base=DurableTask, bind=True, name="direct.conn")
+    def conn_of(self: Any) -> Any:
+        return self.outbox_conn
+
+    assert add(1, 2) == 3
+    with pytest.raises(OutboxError, match="only while a durable task runs as sent by the relay"):
+        conn_of()
+
+
 # --------------------------------------------------------------- crashes
 def test_a_worker_killed_mid_body_loses_no_task(setup) -> None:
     s = setup()
@@ -346,7 +362,10 @@ def test_a_stale_message_skips_the_body(setup) -> None:
         args=["stale"],
         task_id=result.id,
         queue=s.queue,
-        headers={"outbox-id": row["id"], "outbox-lease-version": row["lease_version"]},
+        headers={
+            "outbox-durable-id": row["id"],
+            "outbox-durable-lease-version": row["lease_version"],
+        },
     )
     wait_for(lambda: "is no longer processing under this lease" in worker.text(), timeout=30)
     assert len(_runs(s.dsn, "stale")) == 1  # the body did not run again

@@ -50,9 +50,10 @@ __all__ = [
 ]
 
 DURABLE_EVENT = "celery.durable"
-# The same header names the celery: publisher uses for the row a task came from.
-HEADER_ID = "outbox-id"
-HEADER_LEASE_VERSION = "outbox-lease-version"
+# Not the celery: publisher's outbox-id / outbox-lease-version: a task that
+# publisher sends is not tracked by its row, and must never be taken for one.
+HEADER_ID = "outbox-durable-id"
+HEADER_LEASE_VERSION = "outbox-durable-lease-version"
 
 # Options a durable row keeps for the relay's send: routing and time limits.
 _SEND_OPTIONS = ("queue", "routing_key", "exchange", "priority", "time_limit", "soft_time_limit")
@@ -121,8 +122,15 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .durable_run import run
+        from .durable_run import run, running
 
+        request = self.request
+        # The worker's tracer pushes this run's request before calling us; a
+        # direct call (task(...), also inside another task's body) finds
+        # someone else's request, or none: it runs as Celery runs one.
+        traced = not request.called_directly and request.task == self.name and not running()
+        if not traced:
+            return super().__call__(*args, **kwargs)
         return run(self, args, kwargs)
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,6 +30,7 @@ from ..errors import ConfigError, OutboxError
 from ..model import Claimed, LeaseRef, Outcome
 from ..services.keeper import renewal_period
 from ..services.policy import RetryPolicy, classify_task
+from . import names
 from .durable import HEADER_ID, HEADER_LEASE_VERSION, write_step
 from .events import Observers
 from .options import annotations_for, retry_policy
@@ -36,7 +38,7 @@ from .options import annotations_for, retry_policy
 if TYPE_CHECKING:
     from .runtime import Installation, Services
 
-__all__ = ["begin_margin", "current_connection", "lease_from_request", "run"]
+__all__ = ["begin_margin", "current_connection", "lease_from_request", "run", "running"]
 
 log = logging.getLogger("outbox_relay.durable")
 
@@ -51,6 +53,35 @@ _RETRY_OPTIONS = (
     "retry_jitter",
     "default_retry_delay",
 )
+
+
+# A finished run frees a lease; at most this often per process it asks for a
+# claim. The relay's own resumption after its in-flight cap (a claim queued
+# behind the deliveries) does not work for tasks on queues of their own, and
+# beat's tick alone would pace a capped relay at one batch per interval.
+CLAIM_HINT_SECONDS = 0.5
+_hint_lock = threading.Lock()
+_last_hint = [0.0]
+
+
+def _hint_claim(task: Any) -> None:
+    now = time.monotonic()
+    with _hint_lock:
+        if now - _last_hint[0] < CLAIM_HINT_SECONDS:
+            return
+        _last_hint[0] = now
+    from .tasks import MAX_HELD_BACK_ROUNDS
+
+    claim = task.app.tasks.get(names.CLAIM)
+    if claim is None:
+        return
+    try:
+        # Sent as the last held-back round: a hint that finds the cap still
+        # reached stops there (the next finished run hints again) instead of
+        # starting a chain of claims that only count the cap.
+        claim.apply_async((MAX_HELD_BACK_ROUNDS,), serializer="json")
+    except Exception:  # a hint; beat's tick is the safety net
+        log.debug("could not send a claim hint", exc_info=True)
 
 
 def begin_margin(lease_seconds: float) -> float:
@@ -107,6 +138,11 @@ class _Run:
         self.conn = None
 
 
+def running() -> bool:
+    """Whether a tracked durable run is under way in this thread."""
+    return getattr(_local, "run", None) is not None
+
+
 def current_connection() -> psycopg.Connection[Any]:
     """The running durable task's effect connection (see ``DurableTask.outbox_conn``)."""
     current: _Run | None = getattr(_local, "run", None)
@@ -147,8 +183,12 @@ def _policy(task: Any, inst: Installation) -> RetryPolicy:
 
 
 def _max_run(task: Any) -> float:
-    limit = task.time_limit or task.app.conf.get("task_time_limit")
-    return float(limit) if limit else float(task.outbox_max_run_seconds)
+    cached = task.__dict__.get("_outbox_max_run")
+    if cached is None:
+        limit = task.time_limit or task.app.conf.get("task_time_limit")
+        cached = float(limit) if limit else float(task.outbox_max_run_seconds)
+        task.__dict__["_outbox_max_run"] = cached
+    return float(cached)
 
 
 def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -189,11 +229,12 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         log.info("not running %s[%s]: outbox #%s %s", task.name, task.request.id, ref.id, reason)
         return None
     claimed = began.claimed
-    current = _Run(task, ref, services, _max_run(task) + lease)
+    max_run = _max_run(task)
+    current = _Run(task, ref, services, max_run + lease)
     keeper = services.keeper_for(lease)
     _local.run = current
     try:
-        with keeper.hold([(ref, began.lease_left_seconds)], max_hold=_max_run(task)):
+        with keeper.hold([(ref, began.lease_left_seconds)], max_hold=max_run):
             try:
                 result = body(*args, **kwargs)
                 return _succeeded(task, inst, current, claimed, result, observers, began)
@@ -219,8 +260,9 @@ def _succeeded(
     chain = list((claimed.payload or {}).get("chain") or [])
     outcome = Outcome.done(claimed)
 
-    def finish(conn: psycopg.Connection[Any]) -> bool:
-        if claimed.id not in store.finalize(conn, [outcome], table=table):
+    def finish(conn: psycopg.Connection[Any], savepoint: bool) -> bool:
+        # The effect transaction commits or rolls back whole: no savepoint.
+        if claimed.id not in store.finalize(conn, [outcome], table=table, savepoint=savepoint):
             return False
         if chain:
             step = dict(chain[0])
@@ -233,13 +275,13 @@ def _succeeded(
     if current.conn is None and chain:
         current.connection()  # the successor commits with this row's done
     if current.conn is not None:
-        done = finish(current.conn)
+        done = finish(current.conn, False)
         if done:
             current.commit()
         else:
             current.rollback()
     else:
-        done = inst.services().db.run(lambda conn: finish(conn))
+        done = inst.services().db.run(lambda conn: finish(conn, True))
     if not done:
         log.info(
             "%s[%s] finished but outbox #%s v%s was no longer its to finish (its lease lapsed "
@@ -252,6 +294,7 @@ def _succeeded(
         observers.lost_lease(claimed.ref, "finalize")
         return result
     observers.finalized(claimed, outcome, began.age_seconds)
+    _hint_claim(task)
     return result
 
 
@@ -278,6 +321,7 @@ def _failed(
         observers.lost_lease(claimed.ref, "finalize")
         return
     observers.finalized(claimed, outcome, age_seconds)
+    _hint_claim(task)
     if outcome.status == "pending":
         seconds = outcome.delay.total_seconds()
         log.info(
