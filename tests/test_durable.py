@@ -187,7 +187,8 @@ def test_a_bad_lease_setting_fails_where_the_task_is_defined() -> None:
     def body() -> None:
         """Never runs."""
 
-    task = app.task(name="bad_lease", base=DurableTask, outbox_lease_seconds=-1)(body)
+    # shared=False: Celery would otherwise add it to every app made later.
+    task = app.task(name="bad_lease", base=DurableTask, outbox_lease_seconds=-1, shared=False)(body)
     with pytest.raises(ConfigError, match="bad_lease: outbox_lease_seconds must be a positive"):
         task.name  # noqa: B018  # Celery defines the task on first use
 
@@ -195,11 +196,11 @@ def test_a_bad_lease_setting_fails_where_the_task_is_defined() -> None:
 def test_a_direct_call_runs_the_body_untracked() -> None:
     app = Celery("direct", set_as_current=False)
 
-    @app.task(base=DurableTask, bind=True, name="direct.add")
+    @app.task(base=DurableTask, bind=True, name="direct.add", shared=False)
     def add(self: Any, a: int, b: int) -> int:
         return a + b
 
-    @app.task(base=DurableTask, bind=True, name="direct.conn")
+    @app.task(base=DurableTask, bind=True, name="direct.conn", shared=False)
     def conn_of(self: Any) -> Any:
         return self.outbox_conn
 
@@ -260,6 +261,14 @@ def test_a_backlog_that_expired_is_sent_again_and_runs(setup) -> None:
     ids = [r.id for r in results.values()]
     wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=f"all done\n{s.logs()}")
     _assert_once_each(s.dsn, results)
+    # The row is done before the worker logs the task's success.
+    wait_for(
+        lambda: all(
+            f"durable.effect[{r.id}] succeeded" in consumer.text() for r in results.values()
+        ),
+        timeout=10,
+        what="the success lines",
+    )
     log = consumer.text()
     for result in results.values():
         # The expired message was dropped, not run late; the one sent under
@@ -312,11 +321,14 @@ def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
     assert (dead["status"], dead["attempts"]) == ("dead", 1)
     assert "not in autoretry_for: ValueError: boom is broken" in dead["last_error"]
     assert len(_runs(s.dsn, "boom")) == 1
-    log = worker.text()
-    # Monitoring sees failures: Celery's FAILURE line and the relay's ERROR line.
-    assert f"outbox message {dead['id']} v1 (celery.durable) is dead" in log
-    assert "durable.boom[" in log and "raised unexpected: ValueError" in log
-    assert "durable.flaky[" in log and " retry: rescheduled in the database, due in 2.0s" in log
+    # Monitoring sees failures: Celery's FAILURE line and the relay's ERROR
+    # line (logged after the row is written: wait for them).
+    lines = [
+        f"outbox message {dead['id']} v1 (celery.durable) is dead",
+        f"durable.boom[{broken.id}] raised unexpected: ValueError",
+        f"durable.flaky[{retried.id}] retry: rescheduled in the database, due in 2.0s",
+    ]
+    wait_for(lambda: all(x in worker.text() for x in lines), timeout=10, what="log lines")
 
 
 # ------------------------------------------------------ duplicates, stale
