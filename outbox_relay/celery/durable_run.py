@@ -56,9 +56,10 @@ _RETRY_OPTIONS = (
 
 
 # A finished run frees a lease; at most this often per process it asks for a
-# claim. The relay's own resumption after its in-flight cap (a claim queued
-# behind the deliveries) does not work for tasks on queues of their own, and
-# beat's tick alone would pace a capped relay at one batch per interval.
+# claim (which claims only when enough leases are free, see _min_room). The
+# relay's own resumption after its in-flight cap (a claim queued behind the
+# deliveries) does not work for tasks on queues of their own, and beat's tick
+# alone would pace a capped relay at one batch per interval.
 CLAIM_HINT_SECONDS = 0.5
 _hint_lock = threading.Lock()
 _last_hint = [0.0]
@@ -79,9 +80,16 @@ def _hint_claim(task: Any) -> None:
         # Sent as the last held-back round: a hint that finds the cap still
         # reached stops there (the next finished run hints again) instead of
         # starting a chain of claims that only count the cap.
-        claim.apply_async((MAX_HELD_BACK_ROUNDS,), serializer="json")
+        claim.apply_async((MAX_HELD_BACK_ROUNDS, _min_room(task)), serializer="json")
     except Exception:  # a hint; beat's tick is the safety net
         log.debug("could not send a claim hint", exc_info=True)
+
+
+def _min_room(task: Any) -> int:
+    """A hint claims only once a quarter of a batch (or of the cap) is free."""
+    settings = _installation(task).settings
+    cap = settings.max_in_flight or settings.batch_size
+    return max(1, min(settings.batch_size, cap) // 4)
 
 
 def begin_margin(lease_seconds: float) -> float:
