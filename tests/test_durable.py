@@ -35,6 +35,7 @@ from tests.apps.durable_app import boom, effect, exhaust, first, flaky, plain, s
 
 from . import services
 from .celery_procs import CeleryProcs, Proc, wait_for
+from .test_celery_pipeline import EventTap, _client
 
 pytestmark = pytest.mark.celery
 
@@ -74,9 +75,9 @@ class Setup:
             app="tests.apps.durable_app",
         )
 
-    def worker(self, *queues: str, concurrency: int = 2, **env: str) -> Proc:
+    def worker(self, *queues: str, concurrency: int = 2, events: bool = False, **env: str) -> Proc:
         args = ("-Q", ",".join(queues)) if queues else ()
-        return self.procs.worker(concurrency=concurrency, events=False, args=args, env=env)
+        return self.procs.worker(concurrency=concurrency, events=events, args=args, env=env)
 
     def beat(self) -> Proc:
         return self.procs.beat()
@@ -382,6 +383,24 @@ def test_a_stale_message_skips_the_body(setup) -> None:
     wait_for(lambda: "is no longer processing under this lease" in worker.text(), timeout=30)
     assert len(_runs(s.dsn, "stale")) == 1  # the body did not run again
     assert [e[0] for e in _effects(s.dsn, "stale")] == [result.id]
+
+
+def test_flower_sees_the_row_never_the_arguments(setup) -> None:
+    s = setup()
+    s.beat()
+    s.worker(events=True)  # -E: task events, as Flower reads them
+    with EventTap(_client(s.broker)) as tap:
+        result = _write(s.dsn, effect.s("card-4242-4242", sleep=0.1))
+        received = wait_for(
+            lambda: [e for e in tap.of_type("task-received") if e.get("uuid") == result.id],
+            timeout=60,
+            what=f"task-received\n{s.logs()}",
+        )
+    row = _row(s.dsn, result.id)
+    assert received[0]["name"] == "durable.effect"
+    assert received[0]["args"] == f"(outbox #{row['id']} v1)"
+    assert received[0]["kwargs"] == "{'sleep': ...}"
+    assert "card-4242" not in repr(tap.events)
 
 
 # ----------------------------------------------------------------- chains
