@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
-from contextlib import ExitStack
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import psycopg.errors
 from celery.exceptions import Retry
 
 from .. import store
+from ..db import PoolDatabase
 from ..errors import ConfigError, OutboxError
 from ..model import Claimed, LeaseRef, Outcome
 from ..services.keeper import renewal_period
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["begin_margin", "current_connection", "lease_from_request", "run", "running"]
 
 log = logging.getLogger("outbox_relay.durable")
+T = TypeVar("T")
+_RUNS_LOCK = threading.Lock()
 
 _local = threading.local()
 
@@ -118,32 +124,79 @@ def lease_from_request(request: Any) -> LeaseRef | None:
 
 @dataclass
 class _Run:
-    """The state of one tracked run (thread-local: the threads pool runs many)."""
+    """One tracked run (thread-local: the threads pool runs many at once).
 
-    task: Any
-    ref: LeaseRef
+    ``conn`` is held for the whole run: the fence check, the body's effect
+    transaction (opened on first use of ``outbox_conn``) and the finalize.
+    Outside that transaction it is in autocommit, so the fence check and the
+    attempt it counts commit before the body starts.
+    """
+
+    conn: psycopg.Connection[Any]
     services: Services
-    # The longest the run can still be the row's holder: renewals stop after
-    # the task's longest run, and the lease then lasts one more length.
-    bound_seconds: float
     stack: ExitStack = field(default_factory=ExitStack)
-    conn: psycopg.Connection[Any] | None = None
+    in_transaction: bool = False
 
     def connection(self) -> psycopg.Connection[Any]:
-        if self.conn is None:
-            conn = self.stack.enter_context(self.services.db.connection())
-            self.stack.enter_context(conn.transaction())
-            store.bound_transaction(conn, self.bound_seconds)
-            self.conn = conn
+        if not self.in_transaction:
+            self.stack.enter_context(self.conn.transaction())
+            self.in_transaction = True
         return self.conn
 
     def commit(self) -> None:
+        self.in_transaction = False
         self.stack.close()
 
     def rollback(self) -> None:
-        # psycopg's transaction block rolls back on psycopg.Rollback, and swallows it.
-        self.stack.__exit__(psycopg.Rollback, psycopg.Rollback(), None)
-        self.conn = None
+        if not self.in_transaction:
+            return
+        self.in_transaction = False
+        try:
+            # psycopg's transaction block rolls back on psycopg.Rollback, and swallows it.
+            self.stack.__exit__(psycopg.Rollback, psycopg.Rollback(), None)
+        except psycopg.Error:
+            # The session is gone (the server ended it): so is the transaction.
+            log.warning("could not roll back a durable task's transaction", exc_info=True)
+
+    def write(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """A finalize outside the body's transaction: on the run's session, or
+        on a relay connection when that session was lost."""
+        if not self.conn.broken:
+            try:
+                return fn(self.conn)
+            except psycopg.OperationalError:
+                if not self.conn.broken:
+                    raise
+        return self.services.db.run(fn)
+
+
+_BOUNDS: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = weakref.WeakKeyDictionary()
+
+
+def _session(
+    services: Services, inst: Installation
+) -> AbstractContextManager[psycopg.Connection[Any]]:
+    """A session of the per-process pool of durable runs (made on first use)."""
+    with _RUNS_LOCK:
+        if services.runs_db is None:
+            s = inst.settings
+            services.runs_db = PoolDatabase(
+                s.require_dsn(),
+                size=s.pool_size,
+                # One session per concurrent run: a threads pool runs many.
+                max_size=max(s.pool_size, 64),
+                name=f"outbox-relay-runs-{os.getpid()}",
+                timeout=s.database_timeout,
+                session_timeouts=False,
+            )
+        return services.runs_db.connection()
+
+
+def _bound(conn: psycopg.Connection[Any], seconds: float) -> None:
+    # Session settings, set once per session and bound (one round trip saved per run).
+    if _BOUNDS.get(conn) != seconds:
+        store.bound_session(conn, seconds)
+        _BOUNDS[conn] = seconds
 
 
 def running() -> bool:
@@ -212,10 +265,27 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     services = inst.services()
     settings = inst.settings
     lease = float(task.outbox_lease_seconds or settings.lease_seconds)
-    table = settings.outbox_table
+    max_run = _max_run(task)
+    with _session(services, inst) as conn:
+        _bound(conn, max_run + lease)
+        return _tracked(task, inst, _Run(conn, services), ref, lease, max_run, body, args, kwargs)
+
+
+def _tracked(
+    task: Any,
+    inst: Installation,
+    current: _Run,
+    ref: LeaseRef,
+    lease: float,
+    max_run: float,
+    body: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    table = inst.settings.outbox_table
     needed = timedelta(seconds=begin_margin(lease))
     observers = Observers(list(inst.observers))
-    began = services.db.run(
+    began = current.write(
         lambda conn: store.begin(conn, [ref], needed=needed, count_attempt=True, table=table)
     ).get(ref.id)
     if began is None or began.claimed.lease_version != ref.lease_version:
@@ -231,15 +301,13 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not began.started:
         # Too little lease left to renew it in time: give the row back now.
         reason = f"too little lease left ({began.lease_left_seconds:.1f}s) to begin"
-        services.db.run(
+        current.write(
             lambda conn: store.finalize(conn, [Outcome.release(ref, reason=reason)], table=table)
         )
         log.info("not running %s[%s]: outbox #%s %s", task.name, task.request.id, ref.id, reason)
         return None
     claimed = began.claimed
-    max_run = _max_run(task)
-    current = _Run(task, ref, services, max_run + lease)
-    keeper = services.keeper_for(lease)
+    keeper = current.services.keeper_for(lease)
     _local.run = current
     try:
         with keeper.hold([(ref, began.lease_left_seconds)], max_hold=max_run):
@@ -248,7 +316,7 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 return _succeeded(task, inst, current, claimed, result, observers, began)
             except Exception as exc:
                 current.rollback()
-                _failed(task, inst, claimed, exc, observers, began.age_seconds)
+                _failed(task, inst, current, claimed, exc, observers, began.age_seconds)
                 raise
     finally:
         _local.run = None
@@ -280,16 +348,16 @@ def _succeeded(
             write_step(conn, inst.outbox, task.app, step, chain[1:])
         return True
 
-    if current.conn is None and chain:
+    if chain:
         current.connection()  # the successor commits with this row's done
-    if current.conn is not None:
+    if current.in_transaction:
         done = finish(current.conn, False)
         if done:
             current.commit()
         else:
             current.rollback()
     else:
-        done = inst.services().db.run(lambda conn: finish(conn, True))
+        done = current.write(lambda conn: finish(conn, True))
     if not done:
         log.info(
             "%s[%s] finished but outbox #%s v%s was no longer its to finish (its lease lapsed "
@@ -309,6 +377,7 @@ def _succeeded(
 def _failed(
     task: Any,
     inst: Installation,
+    current: _Run,
     claimed: Claimed,
     exc: Exception,
     observers: Observers,
@@ -317,7 +386,7 @@ def _failed(
     """Record a failed body; raise Retry when it is rescheduled (else the caller re-raises)."""
     table = inst.settings.outbox_table
     outcome = classify_task(exc, claimed, _policy(task, inst), age_seconds=age_seconds)
-    changed = inst.services().db.run(lambda conn: store.finalize(conn, [outcome], table=table))
+    changed = current.write(lambda conn: store.finalize(conn, [outcome], table=table))
     if claimed.id not in changed:
         log.info(
             "%s[%s] failed, but outbox #%s v%s is no longer its lease: the current holder decides",

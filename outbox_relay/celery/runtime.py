@@ -80,6 +80,8 @@ class Services:
     keeper: LeaseKeeper
     # Durable tasks' rows may have leases of their own: one keeper per length.
     keepers: dict[float, LeaseKeeper] = dataclasses.field(default_factory=dict)
+    # The sessions durable task runs hold (made on first use, see durable_run).
+    runs_db: PoolDatabase | None = None
 
     def keeper_for(self, lease_seconds: float) -> LeaseKeeper:
         """The keeper that renews leases of ``lease_seconds`` (made on first use)."""
@@ -97,6 +99,8 @@ class Services:
     def close(self) -> None:
         self.deliverer.close()
         self.db.close()
+        if self.runs_db is not None:
+            self.runs_db.close()
 
 
 def _translate_celery_retry(publisher: Publisher) -> Publisher:

@@ -332,12 +332,14 @@ LISTEN {channel};
 -- format('%%I.%%I') quotes both names, so mixed-case names are found as written.
 SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT NULL;
 
--- name: bound_durable_transaction
--- The transaction a durable task's body writes its effect in (committed with
--- the row's fenced 'done'). A relay connection ends a session idle in a
--- transaction after the database timeout; a body may think for longer than
--- that between statements, but not past the end of its last possible lease
--- (its longest run plus one lease): after that the run is stale, its effect
--- must roll back anyway, and its locks must not block the run that replaced it.
-SELECT set_config('idle_in_transaction_session_timeout', %(value)s, true),
-       set_config('statement_timeout', %(value)s, true);
+-- name: bound_durable_session
+-- The sessions durable task runs hold for a whole run (their own pool, never
+-- the relay's): the fence check, the transaction the body writes its effect
+-- in (committed with the row's fenced 'done') and that finalize. A relay
+-- session ends one idle in a transaction after the database timeout; a body
+-- may think for longer than that between statements, but not past the end of
+-- its last possible lease (its longest run plus one lease): after that the run
+-- is stale, its effect must roll back anyway, and its locks must not block the
+-- run that replaced it.
+SELECT set_config('idle_in_transaction_session_timeout', %(value)s, false),
+       set_config('statement_timeout', %(value)s, false);

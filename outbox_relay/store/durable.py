@@ -8,10 +8,10 @@ import psycopg
 
 from ._base import queries
 
-__all__ = ["bound_transaction"]
+__all__ = ["bound_session"]
 
 
-def bound_transaction(conn: psycopg.Connection[Any], seconds: float) -> None:
-    """Bound the open transaction (idle time and each statement) by ``seconds``."""
+def bound_session(conn: psycopg.Connection[Any], seconds: float) -> None:
+    """Bound this session's statements and idle transactions by ``seconds``."""
     value = f"{max(1, int(seconds * 1000))}ms"
-    conn.execute(queries(None).bound_durable_transaction, {"value": value})
+    conn.execute(queries(None).bound_durable_session, {"value": value})
