@@ -385,6 +385,16 @@ def test_a_stale_message_skips_the_body(setup) -> None:
     assert [e[0] for e in _effects(s.dsn, "stale")] == [result.id]
 
 
+def test_the_relay_sends_the_task_where_its_own_options_route_it(setup) -> None:
+    s = setup()
+    s.beat()
+    custom = f"dc-{uuid.uuid4().hex[:8]}"
+    s.worker(s.relay_queue, custom)  # not the app's default queue
+    result = _write(s.dsn, effect.s("routed"), queue=custom)
+    wait_for(lambda: _row(s.dsn, result.id)["status"] == "done", timeout=60, what=s.logs())
+    assert [e[0] for e in _effects(s.dsn, "routed")] == [result.id]
+
+
 def test_flower_sees_the_row_never_the_arguments(setup) -> None:
     s = setup()
     s.beat()
