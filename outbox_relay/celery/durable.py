@@ -98,8 +98,9 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
     lease is the truth: a worker killed mid-body lets the lease lapse, the
     rescuer frees the row and the relay sends the task again with the same
     id, counting the attempt, so a body that kills its worker ends dead
-    after ``max_retries``. A late ack would let the broker redeliver it under
-    the same lease, uncounted, as often as it kills a worker.
+    after the relay's ``OUTBOX_MAX_ATTEMPTS``. A late ack would let the
+    broker redeliver it under the same lease, uncounted, as often as it
+    kills a worker.
     """
 
     __outbox_durable__ = True
