@@ -182,6 +182,16 @@ def test_write_durable_refuses_what_it_cannot_run(dsn, conn) -> None:
     assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
 
 
+def test_the_plain_loop_never_publishes_a_durable_row(dsn, conn) -> None:
+    result = _write(dsn, effect.s("loop"))
+    published: list[Any] = []
+    assert outbox_relay.dispatch_once(conn, published.append, owner="loop") == 1
+    assert published == []
+    row = _row(dsn, result.id)
+    assert row["status"] == "dead"
+    assert "only the Celery relay (outbox_relay.install) runs it" in row["last_error"]
+
+
 def test_a_bad_lease_setting_fails_where_the_task_is_defined() -> None:
     app = Celery("lease-check", set_as_current=False)
 
