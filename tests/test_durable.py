@@ -31,7 +31,7 @@ import outbox_relay
 from outbox_relay.celery import DurableTask, write_durable
 from outbox_relay.errors import ConfigError, InvalidMessage, OutboxError
 from tests.apps import durable_app
-from tests.apps.durable_app import boom, effect, exhaust, first, flaky, plain, second
+from tests.apps.durable_app import boom, effect, exhaust, first, flaky, plain, poison, second
 
 from . import services
 from .celery_procs import CeleryProcs, Proc, wait_for
@@ -154,7 +154,8 @@ def test_write_durable_fixes_the_task_id_and_writes_one_row(dsn, conn) -> None:
     assert payload["args"] == ["k1"] and payload["kwargs"] == {}
     assert payload["options"] == {"queue": "billing"}
     assert payload["track"] is True
-    assert headers == {"lease_seconds": durable_app.LEASE}
+    # Its lease and its attempt limit (Celery's default max_retries=3, plus one).
+    assert headers == {"lease_seconds": durable_app.LEASE, "max_attempts": 4}
     assert timedelta(seconds=25) < wait <= timedelta(seconds=30)
     # The convenience on the task writes the same kind of row.
     again = effect.enqueue(conn, "k2", sleep=1.5)
@@ -340,6 +341,20 @@ def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
         f"durable.flaky[{retried.id}] retry: rescheduled in the database, due in 2.0s",
     ]
     wait_for(lambda: all(x in worker.text() for x in lines), timeout=10, what="log lines")
+
+
+def test_a_body_that_kills_its_worker_ends_dead_after_its_own_max_retries(setup) -> None:
+    s = setup()
+    s.beat()
+    s.worker()
+    result = _write(s.dsn, poison.s("poison"))  # max_retries=1: two attempts
+    wait_for(
+        lambda: _row(s.dsn, result.id)["status"] == "dead", timeout=90, what=f"dead\n{s.logs()}"
+    )
+    row = _row(s.dsn, result.id)
+    assert row["attempts"] == 2
+    assert "lease expired on the last attempt (2 of 2)" in row["last_error"]
+    assert len(_runs(s.dsn, "poison")) == 2
 
 
 # ------------------------------------------------------ duplicates, stale

@@ -98,7 +98,7 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
     lease is the truth: a worker killed mid-body lets the lease lapse, the
     rescuer frees the row and the relay sends the task again with the same
     id, counting the attempt, so a body that kills its worker ends dead
-    after the relay's ``OUTBOX_MAX_ATTEMPTS``. A late ack would let the
+    after ``max_retries`` + 1 attempts. A late ack would let the
     broker redeliver it under the same lease, uncounted, as often as it
     kills a worker.
     """
@@ -280,9 +280,23 @@ def _send_options(task: Any, name: str, options: Mapping[str, Any]) -> dict[str,
     return kept
 
 
-def _lease_header(task: Any) -> dict[str, Any]:
+def _row_headers(task: Any) -> dict[str, Any]:
+    """What the relay reads from a durable row: its lease and its attempt limit.
+
+    The claim and the rescuer apply the task's own ``max_retries`` + 1 (a
+    worker killed mid-body counts an attempt too), not the relay's limit.
+    """
+    from .options import annotations_for
+
+    headers: dict[str, Any] = {}
     lease = getattr(task, "outbox_lease_seconds", None)
-    return {} if lease is None else {"lease_seconds": float(lease)}
+    if lease is not None:
+        headers["lease_seconds"] = float(lease)
+    options = {"max_retries": getattr(task, "max_retries", 3)}
+    options.update(annotations_for(task.app, task.name))
+    retries = options.get("max_retries")
+    headers["max_attempts"] = 2**31 - 1 if retries is None else int(retries) + 1
+    return headers
 
 
 def write_step(
@@ -324,7 +338,7 @@ def write_step(
                 event_type=DURABLE_EVENT,
                 payload=payload,
                 delay=_delay(name, options),
-                headers=_lease_header(task) if is_durable(task) else {},
+                headers=_row_headers(task) if is_durable(task) else {},
             )
         ],
         settings=settings,

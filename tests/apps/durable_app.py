@@ -17,6 +17,7 @@ whatever happens to the run); the effect goes to ``effects`` through
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -115,6 +116,13 @@ def boom(self: Any, key: str) -> None:
     """Fails with an exception not in autoretry_for: dead at once."""
     _runs(key)
     raise ValueError(f"{key} is broken (test)")
+
+
+@app.task(name="durable.poison", max_retries=1, **_DURABLE)
+def poison(self: Any, key: str) -> None:
+    """Kills the pool process running it, every time (an OOM kill, say)."""
+    _runs(key)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @app.task(name="durable.first", **_DURABLE)
