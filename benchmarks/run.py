@@ -18,6 +18,9 @@ server, broker and pool. Scenarios:
 * pgqueuer: the pgqueuer job queue draining the same number of pre-queued
   jobs with 4 consumer processes, a no-op job and one that waits 20 ms
   (``benchmarks/pgqueuer_bench.py``; needs the ``bench`` extra).
+* durable: ``DurableTask``s doing the ceiling's UPDATE through
+  ``self.outbox_conn`` (with their fenced done), claimed and sent by the
+  relay on the same pool, against the pre-queued plain UPDATE task.
 * latency: commit-to-publish p50/p99 for messages enqueued one by one while
   the relay idles, with LISTEN/NOTIFY and with polling only.
 * canvas: ``--canvas-messages`` business transactions each sending a no-op
@@ -392,6 +395,68 @@ def latency(admin: str, broker: str, *, listen: bool, messages: int, interval: f
     )
 
 
+def fill_durable(dsn: str, n: int) -> None:
+    """``n`` durable task rows, as ``write_durable`` writes them (in one statement)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY, done bool DEFAULT false)")
+        conn.execute("INSERT INTO bench_items SELECT g FROM generate_series(1, %s) g", (n,))
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
+            " SELECT 'celery.task', 'bench.durable_update', 'celery.durable',"
+            " jsonb_build_object('task', 'bench.durable_update', 'id', gen_random_uuid()::text,"
+            " 'args', jsonb_build_array(g), 'kwargs', '{}'::jsonb, 'options', '{}'::jsonb,"
+            " 'chain', '[]'::jsonb, 'track', true)"
+            " FROM generate_series(1, %s) AS g",
+            (n,),
+        )
+        conn.execute("VACUUM ANALYZE outbox")
+
+
+def durable(admin: str, broker: str, n: int, procs: int, *, in_flight: int) -> Figure:
+    """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool.
+
+    With beat, as in production: the in-flight cap (``in_flight``) bounds
+    how many tasks wait in the queue; sized so that they run within their
+    lease, or they expire there and are sent again a lease later.
+    """
+    with database(admin) as dsn:
+        fill_durable(dsn, n)
+        client = redis_client(broker)
+        client.delete("outbox", "bench-durable")
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        env = celery_env(dsn, broker, max_in_flight=in_flight)
+        runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
+        try:
+            runner.beat()
+            worker = runner.worker(
+                concurrency=procs, ready=False, events=False, args=("-l", "warning")
+            )
+            progress = Progress(dsn)
+
+            def started() -> bool:
+                if not worker.alive():
+                    raise RuntimeError(f"durable: worker exited:\n{worker.text()[-2000:]}")
+                return progress.started()
+
+            try:
+                seconds = wait_progress(started, progress.finished, timeout=900, poll=0.05)
+                if progress.done() != n:
+                    raise RuntimeError(f"durable: only {progress.done()} of {n} done")
+                row = progress.conn.execute(
+                    "SELECT count(*) FROM bench_items WHERE NOT done"
+                ).fetchone()
+                if row is None or row[0]:
+                    raise RuntimeError(f"durable: {row} items without their effect")
+            finally:
+                progress.close()
+        finally:
+            runner.stop_all()
+            shutil.rmtree(folder, ignore_errors=True)
+    return Figure(
+        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}", n, seconds
+    )
+
+
 # ------------------------------------------------------------------ report
 def canvas(admin: str, broker: str, n: int, procs: int, *, outbox: bool, chunk: int = 1) -> Figure:
     """A no-op task sent from ``n`` business transactions, until a worker ran them all.
@@ -505,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=200)
     parser.add_argument(
         "--canvas-messages", type=int, default=5_000, help="canvas: business transactions"
+    )
+    parser.add_argument(
+        "--in-flight", type=int, default=1000, help="OUTBOX_MAX_IN_FLIGHT of the durable group"
     )
     parser.add_argument("--only", default="", help="comma-separated scenario groups")
     args = parser.parse_args(argv)
@@ -667,6 +735,15 @@ def main(argv: list[str] | None = None) -> int:
                 "canvas_chunked",
                 canvas(admin, broker, cn, procs, outbox=True, chunk=args.chunk),
             )
+        if want("durable"):
+            # The plain task first, then the durable one: minutes apart at most.
+            if "update" not in figures:
+                record("update", ceiling(admin, broker, n, procs, "update"))
+            record("durable", durable(admin, broker, n, procs, in_flight=args.in_flight))
+            print(
+                f"  durable / Celery UPDATE task: {ratio(figures['durable'], figures['update'])}",
+                flush=True,
+            )
         if want("latency"):
             record("lat_notify", latency(admin, broker, listen=True, messages=100, interval=5))
             record("lat_poll", latency(admin, broker, listen=False, messages=100, interval=1))
@@ -675,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         ("per-message / Celery UPDATE task", "per_message", "update"),
         ("per-message / Celery no-op task", "per_message", "noop"),
         ("per-message, async finalize / Celery UPDATE task", "per_message_async", "update"),
+        ("durable task / Celery UPDATE task", "durable", "update"),
         ("chunked / literal loop (no-op)", "chunked", "literal"),
         ("chunked, async finalize / literal loop", "chunked_async", "literal"),
         ("chunked 20 ms / literal loop 20 ms", "chunked_20ms", "literal_20ms"),

@@ -49,6 +49,7 @@ async def enqueue_many(
     notify: bool | None = None,
     max_payload_bytes: int | None = None,
     now: datetime | None = None,
+    allow_reserved: bool = False,
 ) -> list[int]:
     """Insert many messages in the caller's transaction; their ids in order."""
     batch = prepare(
@@ -59,6 +60,7 @@ async def enqueue_many(
         notify=notify,
         max_payload_bytes=max_payload_bytes,
         now=now,
+        allow_reserved=allow_reserved,
     )
     if not batch.rows:
         return []
@@ -120,16 +122,19 @@ async def apply_async(
     from .celery.canvas import is_durable, prepare_canvas
 
     if is_durable(sig):
-        from .celery.durable import prepare_durable  # type: ignore[import-not-found, unused-ignore]
+        from .celery.durable import prepare_durable
 
-        message, result = prepare_durable(sig, dict(options))
+        message, result = prepare_durable(sig, options)
+        # A reserved event type; a chain orders its own steps.
+        extra: dict[str, Any] = {"ordered": False, "allow_reserved": True}
     else:
         message, result = prepare_canvas(sig, options)
+        extra = {}
     if settings is None:
         from .outbox import default_outbox
 
         settings = default_outbox().settings
-    await enqueue_many(conn, [message], settings=settings)
+    await enqueue_many(conn, [message], settings=settings, **extra)
     return result
 
 

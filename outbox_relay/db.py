@@ -157,10 +157,14 @@ class PoolDatabase:
         name: str,
         synchronous_finalize: bool = True,
         timeout: float = 10.0,
+        max_size: int | None = None,
+        session_timeouts: bool = True,
     ) -> None:
         self.timeout = timeout
 
         def configure(conn: psycopg.Connection[Any]) -> None:
+            if not session_timeouts:
+                return  # the user bounds each session (durable task runs)
             set_statement_timeout(conn, timeout)
             if not synchronous_finalize:
                 # Finalizes stop waiting for the WAL flush; claims still
@@ -171,7 +175,7 @@ class PoolDatabase:
         self.pool = ConnectionPool(
             dsn,
             min_size=1,
-            max_size=max(1, size),
+            max_size=max(1, size if max_size is None else max_size),
             kwargs={"autocommit": True, **bounded_connection_kwargs(timeout)},
             configure=configure,
             name=name,
@@ -194,6 +198,13 @@ class PoolDatabase:
                         raise
                     log.warning("database connection lost; retrying on a new connection")
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def connection(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
+        """A pooled connection held across more than one call (a durable task's
+        run, its body included). The watchdog does not watch it (a body may
+        take long); the caller bounds the session on the server instead
+        (``store.bound_session``), and TCP keepalives bound a silent peer."""
+        return self.pool.connection(timeout=self.timeout)
 
     def close(self) -> None:
         self.pool.close()

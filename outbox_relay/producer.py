@@ -25,7 +25,12 @@ from .store._base import begin_caller_transaction
 from .store.producer import insert_messages
 from .table import OutboxTable
 
-__all__ = ["Batch", "NewMessage", "enqueue", "enqueue_many", "prepare"]
+__all__ = ["RESERVED_EVENT_TYPES", "Batch", "NewMessage", "enqueue", "enqueue_many", "prepare"]
+
+# Event types outbox-relay writes itself: a durable Celery task's row, which
+# the relay runs as that task. A plain message of this type would be sent as
+# a task too, so only the library's own writers may use it.
+RESERVED_EVENT_TYPES = frozenset({"celery.durable"})
 
 
 @dataclass(frozen=True)
@@ -132,13 +137,24 @@ def prepare(
     notify: bool | None = None,
     max_payload_bytes: int | None = None,
     now: datetime | None = None,
+    allow_reserved: bool = False,
 ) -> Batch:
     """Validate ``messages`` and build their rows; touches no database.
 
-    Raises ``InvalidMessage`` naming the problem before anything is written.
+    Raises ``InvalidMessage`` naming the problem before anything is written
+    (also for a reserved event type, unless ``allow_reserved``: the library's
+    own writers).
     The current trace context (OpenTelemetry, when installed) is recorded in
     each row's headers unless the caller set ``traceparent`` itself.
     """
+    messages = list(messages)
+    if not allow_reserved:
+        for m in messages:
+            if m.event_type in RESERVED_EVENT_TYPES:
+                raise InvalidMessage(
+                    f"event_type {m.event_type!r} is reserved for durable Celery tasks; "
+                    "write one with outbox_relay.apply_async() or task.enqueue()"
+                )
     if settings is None:
         settings = producer_settings()
     outbox = OutboxTable.parse(table if table is not None else settings.table)
@@ -168,6 +184,7 @@ def enqueue_many(
     notify: bool | None = None,
     max_payload_bytes: int | None = None,
     now: datetime | None = None,
+    allow_reserved: bool = False,
 ) -> list[int]:
     """Insert many messages in the caller's transaction; return their ids in order.
 
@@ -186,6 +203,7 @@ def enqueue_many(
         notify=notify,
         max_payload_bytes=max_payload_bytes,
         now=now,
+        allow_reserved=allow_reserved,
     )
     if not batch.rows:
         return []
@@ -196,8 +214,9 @@ def enqueue_many(
         # own, and the message would then survive a rollback of the business
         # change that follows (enqueue first, then INSERT the order).
         begin_caller_transaction(conn)
-    return insert_messages(conn, batch.rows, table=batch.table, lock_keys=batch.lock_keys,
-                           notify=batch.notify)  # fmt: skip
+    return insert_messages(
+        conn, batch.rows, table=batch.table, lock_keys=batch.lock_keys, notify=batch.notify
+    )
 
 
 def enqueue(

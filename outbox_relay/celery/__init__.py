@@ -5,7 +5,8 @@ Glue only: the work is done by ``outbox_relay.services``.
 
 from __future__ import annotations
 
+from .durable import DurableTask, write_durable
 from .install import install
 from .runtime import Installation
 
-__all__ = ["Installation", "install"]
+__all__ = ["DurableTask", "Installation", "install", "write_durable"]

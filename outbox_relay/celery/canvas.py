@@ -38,7 +38,7 @@ import psycopg
 from ..errors import InvalidMessage, PermanentError, RetryableError
 from ..model import Message
 from ..outbox import Outbox
-from ..producer import NewMessage
+from ..producer import NewMessage, enqueue_many
 from ..publishers._process import PerProcess
 from ..publishers.celery_task import did_you_mean, sending
 
@@ -410,25 +410,38 @@ def _partial(node: Any, args: tuple[Any, ...], kwargs: dict[str, Any], app: Any)
 
 
 def is_durable(sig: Any) -> bool:
-    """One task (not a canvas) whose registered class is an outbox DurableTask."""
-    from celery.canvas import Signature
+    """A task, or a chain of single tasks beginning with one, whose registered
+    class is an outbox DurableTask (written by celery.durable instead)."""
+    from celery.canvas import Signature, _chain
 
-    if type(sig) is not Signature or not _is_task(sig):
+    first = sig
+    if isinstance(sig, _chain):
+        if not sig.tasks or any(type(t) is not Signature for t in sig.tasks):
+            return False
+        first = sig.tasks[0]
+    if type(first) is not Signature or not _is_task(first):
         return False
-    task = _app_of(sig).tasks.get(sig.task)
+    task = _app_of(first).tasks.get(first.task)
     return bool(getattr(task, "__outbox_durable__", False))
 
 
-def _write(conn: Any, outbox: Outbox, message: NewMessage) -> int:
+def _write(conn: Any, outbox: Outbox, message: NewMessage, *, durable: bool = False) -> int:
     """Write on a psycopg connection, a SQLAlchemy Session/Connection or a
-    Django connection (``django.db.connection``), in its current transaction."""
+    Django connection (``django.db.connection``), in its current transaction.
+    ``durable``: a durable task's row (a reserved event type; its chain orders
+    its own steps, so no aggregate ordering)."""
+    extra: dict[str, Any] = {"ordered": False, "allow_reserved": True} if durable else {}
+
+    def write(pg: Any) -> int:
+        return enqueue_many(pg, [message], settings=outbox.settings, **extra)[0]
+
     if isinstance(conn, psycopg.Connection):
-        return outbox.enqueue_many(conn, [message])[0]
+        return write(conn)
     module = type(conn).__module__
     if module.startswith("sqlalchemy."):
         from ..integrations.sqlalchemy import psycopg_connection
 
-        return outbox.enqueue_many(psycopg_connection(conn), [message])[0]
+        return write(psycopg_connection(conn))
     if module.startswith("django."):
         from django.db import transaction
 
@@ -438,7 +451,7 @@ def _write(conn: Any, outbox: Outbox, message: NewMessage) -> int:
         # A savepoint of the caller's atomic block (or, outside one, a
         # transaction of its own, as a lone Model.save() would be).
         with transaction.atomic(using=alias):
-            return outbox.enqueue_many(on_django.psycopg_connection(alias), [message])[0]
+            return write(on_django.psycopg_connection(alias))
     hint = (
         "; for an AsyncConnection, await outbox_relay.aio.apply_async(...)"
         if isinstance(conn, psycopg.AsyncConnection)
@@ -454,10 +467,12 @@ def apply_async(conn: Any, outbox: Outbox, sig: Any, options: Mapping[str, Any])
     """Write ``sig`` as one outbox row in ``conn``'s transaction; return its result now."""
     if is_durable(sig):
         # A DurableTask is tracked by its row while it runs: its own module
-        # writes that row.
-        from .durable import write_durable  # type: ignore[import-not-found, unused-ignore]
+        # builds that row.
+        from .durable import prepare_durable
 
-        return write_durable(conn, outbox, sig, dict(options))
+        message, result = prepare_durable(sig, options)
+        _write(conn, outbox, message, durable=True)
+        return result
     message, result = prepare_canvas(sig, options)
     _write(conn, outbox, message)
     return result

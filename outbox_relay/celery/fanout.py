@@ -19,6 +19,7 @@ from ..config import Settings
 from ..db import Database
 from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
+from .durable_send import DurableSends, is_durable_row, send_durable
 from .options import time_limits
 
 __all__ = ["argsrepr", "chunked", "fan_out", "release"]
@@ -101,15 +102,22 @@ def fan_out(
     one round at a time (self-pacing, whatever the workers' speed).
     """
     size = settings.chunk_size
-    chunks = chunked(claimed, size)
+    # Durable task rows are sent as their own task (one hop), one message each.
+    durable = [c for c in claimed if is_durable_row(c)]
+    plain = [c for c in claimed if not is_durable_row(c)] if durable else claimed
+    chunks: list[list[Claimed]] = [*chunked(plain, size), *([c] for c in durable)]
     halfway = len(chunks) // 2
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
+    sends = DurableSends()
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             for number, chunk in enumerate(chunks):
                 if follow_up is not None and number == halfway:
                     follow_up(producer)
+                if is_durable_row(chunk[0]):
+                    send_durable(app, settings, producer, chunk[0], sends)
+                    continue
                 refs = [c.ref for c in chunk]
                 options: dict[str, Any] = {
                     "expires": expires,
@@ -133,3 +141,10 @@ def fan_out(
         log.exception("fan-out to the broker failed; releasing %d claimed rows", len(claimed))
         release(db, settings, claimed, "fan-out to the broker failed")
         raise
+    outcomes = sends.outcomes()
+    if outcomes:
+        try:
+            db.run(lambda conn: finalize(conn, outcomes, table=settings.outbox_table))
+        except Exception:
+            # Their leases lapse and they are sent again, with the same task ids.
+            log.exception("could not finalize %d handed-off durable rows", len(outcomes))

@@ -66,6 +66,8 @@ def _unreachable(exc: psycopg.OperationalError) -> bool:
 
 log = logging.getLogger("outbox_relay.celery")
 
+_KEEPERS_LOCK = threading.Lock()
+
 
 @dataclass
 class Services:
@@ -77,10 +79,29 @@ class Services:
     rescuer: Rescuer
     purger: Purger
     keeper: LeaseKeeper
+    # Durable tasks' rows may have leases of their own: one keeper per length.
+    keepers: dict[float, LeaseKeeper] = dataclasses.field(default_factory=dict)
+    # The sessions durable task runs hold (made on first use, see durable_run).
+    runs_db: PoolDatabase | None = None
+
+    def keeper_for(self, lease_seconds: float) -> LeaseKeeper:
+        """The keeper that renews leases of ``lease_seconds`` (made on first use)."""
+        if lease_seconds == self.keeper.lease_seconds:
+            return self.keeper
+        with _KEEPERS_LOCK:
+            keeper = self.keepers.get(lease_seconds)
+            if keeper is None:
+                keeper = LeaseKeeper(
+                    self.db, timedelta(seconds=lease_seconds), table=self.claimer.table
+                )
+                self.keepers[lease_seconds] = keeper
+            return keeper
 
     def close(self) -> None:
         self.deliverer.close()
         self.db.close()
+        if self.runs_db is not None:
+            self.runs_db.close()
 
 
 def _translate_celery_retry(publisher: Publisher) -> Publisher:

@@ -73,12 +73,13 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         return after_delivery(inst.services().deliverer.deliver(leases))
 
     @app.task(name=names.CLAIM, **_TASK)  # type: ignore[untyped-decorator]
-    def claim(self: Any, held_back: int = 0) -> dict[str, int]:
+    def claim(self: Any, held_back: int = 0, min_room: int = 0) -> dict[str, int]:
         """Claim due rows under the cap and fan them out; keep draining while
         batches come back full. ``held_back`` counts the rounds in a row that
-        found the cap reached."""
+        found the cap reached; ``min_room``: claim only if the cap leaves at
+        least that many (a finished durable task's hint)."""
         services = inst.services()
-        result = services.claimer.run_once()
+        result = services.claimer.run_once(min_room=int(min_room))
         if result.claimed:
             s = inst.settings
             delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER

@@ -31,7 +31,9 @@ from typing import Any, Literal, Protocol
 
 from .. import store
 from ..db import Database
+from ..errors import PermanentError
 from ..model import Claimed, LeaseRef, Message, Outcome
+from ..producer import RESERVED_EVENT_TYPES
 from ..store.relay import Began
 from ..table import OutboxTable
 from ..tracing import PublishTracer, default_tracer
@@ -223,6 +225,13 @@ class Deliverer:
     # ------------------------------------------------------------ publishing
     def _publish(self, row: Began, hold: Hold | None, stop: threading.Event) -> _Result:
         msg = row.claimed
+        if msg.event_type in RESERVED_EVENT_TYPES:
+            # A durable Celery task's row: the Celery relay sends it as the
+            # task itself; published as a message, it would never run.
+            return PermanentError(
+                f"outbox message {msg.id} is a durable Celery task ({msg.event_type}): only "
+                "the Celery relay (outbox_relay.install) runs it, not a publisher"
+            ), 0.0
         if stop.is_set():
             return _NotPublished("the delivery task was interrupted"), 0.0
         if hold is not None and not hold.alive(msg.ref, self.publish_timeout):

@@ -24,9 +24,14 @@ from ..db import Database
 from ..model import LeaseRef
 from ..table import OutboxTable
 
-__all__ = ["Hold", "LeaseKeeper"]
+__all__ = ["Hold", "LeaseKeeper", "renewal_period"]
 
 log = logging.getLogger("outbox_relay.keeper")
+
+
+def renewal_period(lease_seconds: float) -> float:
+    """How often a keeper of ``lease_seconds`` leases looks for renewals due."""
+    return max(min(lease_seconds / 6.0, 5.0), 0.05)
 
 
 @dataclass
@@ -90,8 +95,12 @@ class LeaseKeeper:
         self.lost = 0
 
     @property
+    def lease_seconds(self) -> float:
+        return self._lease.total_seconds()
+
+    @property
     def period(self) -> float:
-        return max(min(self._lease.total_seconds() / 6.0, 5.0), 0.05)
+        return renewal_period(self._lease.total_seconds())
 
     def hold(self, rows: Iterable[tuple[LeaseRef, float]], *, max_hold: float) -> Hold:
         """Keep ``(ref, lease_left_seconds)`` rows for at most ``max_hold`` seconds."""

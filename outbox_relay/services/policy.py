@@ -9,7 +9,7 @@ from ..backoff import full_jitter_backoff
 from ..errors import Defer, PermanentError, RetryableError
 from ..model import Claimed, Outcome
 
-__all__ = ["RetryPolicy", "classify", "describe"]
+__all__ = ["RetryPolicy", "classify", "classify_task", "describe"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,20 @@ def classify(
         # The receiver's word, but never past the longest we defer anything.
         delay = min(retry_after, policy.max_defer)
     return Outcome.retry(msg, delay=delay, error=f"{prefix}: {describe(exc)}")
+
+
+def classify_task(
+    exc: BaseException | None,
+    msg: Claimed,
+    policy: RetryPolicy,
+    *,
+    age_seconds: float = 0.0,
+) -> Outcome:
+    """``classify`` for a durable task's body, by Celery's own rule: only the
+    exceptions in ``autoretry_for`` (``retry_on``) and outbox-relay's failure
+    classes are retried; any other exception ends the row ``dead`` at once."""
+    if exc is None or policy.is_classified(exc):
+        return classify(exc, msg, policy, age_seconds=age_seconds)
+    return Outcome.dead(
+        msg, error=f"failed with an exception not in autoretry_for: {describe(exc)}"
+    )

@@ -117,7 +117,11 @@ SET LOCAL synchronous_commit = on;
 -- own tick, so lost delivery tasks can never freeze the relay. It walks the
 -- leased index only.
 WITH expired AS (
-    SELECT id
+    -- A durable Celery task's row carries its own attempt limit (its
+    -- max_retries + 1, written by its producer); every other row has the relay's.
+    SELECT id,
+           CASE WHEN event_type = 'celery.durable' AND headers ? 'max_attempts'
+                THEN (headers->>'max_attempts')::int ELSE %(max_attempts)s::int END AS max_attempts
       FROM {table}
      WHERE status = 'processing'
        AND lease_until < coalesce(%(now)s::timestamptz, now())
@@ -126,12 +130,12 @@ WITH expired AS (
        FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
-   SET status       = CASE WHEN o.attempts >= %(max_attempts)s THEN 'dead' ELSE 'pending' END,
+   SET status       = CASE WHEN o.attempts >= expired.max_attempts THEN 'dead' ELSE 'pending' END,
        -- Keep its place in the queue: it was due before the rows behind it.
        available_at = least(o.available_at, coalesce(%(now)s::timestamptz, now())),
-       last_error   = CASE WHEN o.attempts >= %(max_attempts)s
+       last_error   = CASE WHEN o.attempts >= expired.max_attempts
                            THEN 'lease expired on the last attempt (' || o.attempts || ' of '
-                                || %(max_attempts)s || '); the worker crashed or hung'
+                                || expired.max_attempts || '); the worker crashed or hung'
                            ELSE coalesce(o.last_error, 'lease expired before delivery finished')
                       END,
        lease_owner  = NULL,
@@ -156,7 +160,11 @@ RETURNING o.id, o.status;
 -- A row that has already used every attempt (max_attempts was lowered)
 -- goes to 'dead' instead of starting one more; only leased rows are returned.
 WITH ready AS (
-    SELECT o.id
+    -- The row's attempt limit: a durable task's own (see rescue), else the relay's.
+    SELECT o.id,
+           CASE WHEN o.event_type = 'celery.durable' AND o.headers ? 'max_attempts'
+                THEN (o.headers->>'max_attempts')::int ELSE %(max_attempts)s::int END
+               AS max_attempts
       FROM {table} AS o
      WHERE o.status = 'pending'
        AND o.available_at <= coalesce(%(now)s::timestamptz, now())
@@ -179,19 +187,26 @@ WITH ready AS (
        FOR UPDATE SKIP LOCKED
 ), changed AS (
     UPDATE {table} AS o
-       SET status        = CASE WHEN o.attempts >= %(max_attempts)s THEN 'dead'
+       SET status        = CASE WHEN o.attempts >= ready.max_attempts THEN 'dead'
                                 ELSE 'processing' END,
-           lease_owner   = CASE WHEN o.attempts >= %(max_attempts)s THEN NULL
+           lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
                                 ELSE %(owner)s END,
-           lease_until   = CASE WHEN o.attempts >= %(max_attempts)s THEN NULL
-                                ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+           -- A durable Celery task's row carries its own lease (queue wait +
+           -- body time, the task's outbox_lease_seconds, written by its
+           -- producer in headers); every other row gets the relay's.
+           lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
+                                ELSE coalesce(%(now)s::timestamptz, now()) + CASE
+                                    WHEN o.event_type = 'celery.durable'
+                                     AND o.headers ? 'lease_seconds'
+                                    THEN make_interval(secs => (o.headers->>'lease_seconds')::float8)
+                                    ELSE %(lease)s::interval END
                            END,
            lease_version = o.lease_version + 1,
-           attempts      = CASE WHEN o.attempts >= %(max_attempts)s THEN o.attempts
+           attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
                                 ELSE o.attempts + %(count_attempt)s END,
-           last_error    = CASE WHEN o.attempts >= %(max_attempts)s
+           last_error    = CASE WHEN o.attempts >= ready.max_attempts
                                 THEN 'retries exhausted: ' || o.attempts || ' attempts used of '
-                                     || %(max_attempts)s
+                                     || ready.max_attempts
                                 ELSE o.last_error END
       FROM ready
      WHERE o.id = ready.id
@@ -337,3 +352,15 @@ LISTEN {channel};
 -- name: table_exists
 -- format('%%I.%%I') quotes both names, so mixed-case names are found as written.
 SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT NULL;
+
+-- name: bound_durable_session
+-- The sessions durable task runs hold for a whole run (their own pool, never
+-- the relay's): the fence check, the transaction the body writes its effect
+-- in (committed with the row's fenced 'done') and that finalize. A relay
+-- session ends one idle in a transaction after the database timeout; a body
+-- may think for longer than that between statements, but not past the end of
+-- its last possible lease (its longest run plus one lease): after that the run
+-- is stale, its effect must roll back anyway, and its locks must not block the
+-- run that replaced it.
+SELECT set_config('idle_in_transaction_session_timeout', %(value)s, false),
+       set_config('statement_timeout', %(value)s, false);

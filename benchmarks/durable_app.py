@@ -1,0 +1,35 @@
+"""The durable-task benchmark's app: the baseline's one UPDATE, as a DurableTask.
+
+``bench.durable_update`` does what ``baseline_app``'s ``bench.update`` does
+(one PostgreSQL UPDATE and commit), written through ``self.outbox_conn`` so
+that it commits with its outbox row's fenced ``done``. The relay is
+installed into this app and sends the rows to it; one pool runs both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery import Celery
+
+import outbox_relay
+from outbox_relay.celery import DurableTask
+
+app = Celery("bench-durable", broker=os.environ.get("CELERY_BROKER_URL"))
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    task_ignore_result=True,
+    task_default_queue="bench-durable",
+    broker_connection_retry_on_startup=True,
+)
+
+
+@app.task(name="bench.durable_update", base=DurableTask, bind=True)
+def durable_update(self: Any, item: int) -> None:
+    self.outbox_conn.execute("UPDATE bench_items SET done = true WHERE id = %s", (item,))
+
+
+if os.environ.get("OUTBOX_DSN"):
+    outbox_relay.install(app, publisher="benchmarks.publishers:noop")

@@ -1,0 +1,419 @@
+"""One run of a durable task in a worker: fence, attempt, body, fenced finalize.
+
+    begin (fence check, attempt counted) -> body (lease renewed meanwhile)
+      -> done + next chain step, in the body's own transaction (fenced)
+      -> or: reschedule / dead from the task's Celery retry options (fenced)
+
+A run whose fence fails before the body (the row was finished, rescued or
+re-claimed since the message was sent) skips the body. A run whose fence
+fails at the end (its lease lapsed meanwhile and another run holds the row)
+rolls its effect back: only the holder of the current lease commits one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import psycopg
+import psycopg.errors
+from celery.exceptions import Retry
+
+from .. import store
+from ..db import PoolDatabase
+from ..errors import ConfigError, OutboxError
+from ..model import Claimed, LeaseRef, Outcome
+from ..services.keeper import renewal_period
+from ..services.policy import RetryPolicy, classify_task
+from . import names
+from .durable import HEADER_ID, HEADER_LEASE_VERSION, write_step
+from .events import Observers
+from .options import annotations_for, retry_policy
+
+if TYPE_CHECKING:
+    from .runtime import Installation, Services
+
+__all__ = ["begin_margin", "current_connection", "lease_from_request", "run", "running"]
+
+log = logging.getLogger("outbox_relay.durable")
+T = TypeVar("T")
+_RUNS_LOCK = threading.Lock()
+
+_local = threading.local()
+
+# The task attributes Celery's autoretry reads; here they become the policy.
+_RETRY_OPTIONS = (
+    "autoretry_for",
+    "max_retries",
+    "retry_backoff",
+    "retry_backoff_max",
+    "retry_jitter",
+    "default_retry_delay",
+)
+
+
+# A finished run frees a lease; at most this often per process it asks for a
+# claim (which claims only when enough leases are free, see _min_room). The
+# relay's own resumption after its in-flight cap (a claim queued behind the
+# deliveries) does not work for tasks on queues of their own, and beat's tick
+# alone would pace a capped relay at one batch per interval.
+CLAIM_HINT_SECONDS = 0.5
+_hint_lock = threading.Lock()
+_last_hint = [0.0]
+
+
+def _hint_claim(task: Any) -> None:
+    now = time.monotonic()
+    with _hint_lock:
+        if now - _last_hint[0] < CLAIM_HINT_SECONDS:
+            return
+        _last_hint[0] = now
+    from .tasks import MAX_HELD_BACK_ROUNDS
+
+    claim = task.app.tasks.get(names.CLAIM)
+    if claim is None:
+        return
+    try:
+        # Sent as the last held-back round: a hint that finds the cap still
+        # reached stops there (the next finished run hints again) instead of
+        # starting a chain of claims that only count the cap.
+        claim.apply_async((MAX_HELD_BACK_ROUNDS, _min_room(task)), serializer="json")
+    except Exception:  # a hint; beat's tick is the safety net
+        log.debug("could not send a claim hint", exc_info=True)
+
+
+def _min_room(task: Any) -> int:
+    """A hint claims only once a quarter of a batch (or of the cap) is free."""
+    settings = _installation(task).settings
+    cap = settings.max_in_flight or settings.batch_size
+    return max(1, min(settings.batch_size, cap) // 4)
+
+
+def begin_margin(lease_seconds: float) -> float:
+    """The lease a run must have left to begin: two renewal periods (so the
+    keeper renews it in time), at most half the lease. The relay's message
+    expires once less than this is left."""
+    return min(lease_seconds / 2.0, 2.0 * renewal_period(lease_seconds))
+
+
+def lease_from_request(request: Any) -> LeaseRef | None:
+    """``(outbox id, lease_version)`` from a task request's headers, if sent by the relay."""
+    headers = getattr(request, "headers", None) or {}
+
+    def read(name: str) -> Any:
+        value = headers.get(name) if isinstance(headers, dict) else None
+        return value if value is not None else getattr(request, name, None)
+
+    outbox_id, version = read(HEADER_ID), read(HEADER_LEASE_VERSION)
+    if outbox_id is None or version is None:
+        return None
+    try:
+        return LeaseRef(int(outbox_id), int(version))
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class _Run:
+    """One tracked run (thread-local: the threads pool runs many at once).
+
+    ``conn`` is held for the whole run: the fence check, the body's effect
+    transaction (opened on first use of ``outbox_conn``) and the finalize.
+    Outside that transaction it is in autocommit, so the fence check and the
+    attempt it counts commit before the body starts.
+    """
+
+    conn: psycopg.Connection[Any]
+    services: Services
+    stack: ExitStack = field(default_factory=ExitStack)
+    in_transaction: bool = False
+
+    def connection(self) -> psycopg.Connection[Any]:
+        if not self.in_transaction:
+            self.stack.enter_context(self.conn.transaction())
+            self.in_transaction = True
+        return self.conn
+
+    def commit(self) -> None:
+        self.in_transaction = False
+        self.stack.close()
+
+    def rollback(self) -> None:
+        if not self.in_transaction:
+            return
+        self.in_transaction = False
+        try:
+            # psycopg's transaction block rolls back on psycopg.Rollback, and swallows it.
+            self.stack.__exit__(psycopg.Rollback, psycopg.Rollback(), None)
+        except psycopg.Error:
+            # The session is gone (the server ended it): so is the transaction.
+            log.warning("could not roll back a durable task's transaction", exc_info=True)
+
+    def write(self, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """A finalize outside the body's transaction: on the run's session, or
+        on a relay connection when that session was lost."""
+        if not self.conn.broken:
+            try:
+                return fn(self.conn)
+            except psycopg.OperationalError:
+                if not self.conn.broken:
+                    raise
+        return self.services.db.run(fn)
+
+
+_BOUNDS: weakref.WeakKeyDictionary[psycopg.Connection[Any], float] = weakref.WeakKeyDictionary()
+
+
+def _session(
+    services: Services, inst: Installation
+) -> AbstractContextManager[psycopg.Connection[Any]]:
+    """A session of the per-process pool of durable runs (made on first use)."""
+    with _RUNS_LOCK:
+        if services.runs_db is None:
+            s = inst.settings
+            services.runs_db = PoolDatabase(
+                s.require_dsn(),
+                size=s.pool_size,
+                # One session per concurrent run: a threads pool runs many.
+                max_size=max(s.pool_size, 64),
+                name=f"outbox-relay-runs-{os.getpid()}",
+                timeout=s.database_timeout,
+                session_timeouts=False,
+            )
+        return services.runs_db.connection()
+
+
+def _bound(conn: psycopg.Connection[Any], seconds: float) -> None:
+    # Session settings, set once per session and bound (one round trip saved per run).
+    if _BOUNDS.get(conn) != seconds:
+        store.bound_session(conn, seconds)
+        _BOUNDS[conn] = seconds
+
+
+def running() -> bool:
+    """Whether a tracked durable run is under way in this thread."""
+    return getattr(_local, "run", None) is not None
+
+
+def current_connection() -> psycopg.Connection[Any]:
+    """The running durable task's effect connection (see ``DurableTask.outbox_conn``)."""
+    current: _Run | None = getattr(_local, "run", None)
+    if current is None:
+        raise OutboxError(
+            "outbox_conn is available only while a durable task runs as sent by the relay "
+            "(write it with task.enqueue(conn, ...) or write_durable(), not .delay())"
+        )
+    return current.connection()
+
+
+def _installation(task: Any) -> Installation:
+    inst = getattr(task.app, "outbox_relay", None)
+    if inst is None:
+        raise ConfigError(
+            f"task {task.name}: a DurableTask runs in an app the relay is installed in "
+            "(outbox_relay.install(app, ...)); this worker's app has none"
+        )
+    return inst  # type: ignore[no-any-return]
+
+
+def _policy(task: Any, inst: Installation) -> RetryPolicy:
+    cached = task.__dict__.get("_outbox_policy")
+    if cached is None:
+        options = {n: getattr(task, n) for n in _RETRY_OPTIONS if hasattr(task, n)}
+        cached = retry_policy(inst.settings, options, annotations_for(task.app, task.name))
+        # A database connection lost or a statement cancelled (the run's
+        # transaction is bounded by its lease) is the infrastructure's
+        # failure, not the body's: retried like autoretry_for's classes.
+        retry_on = (
+            *cached.retry_on,
+            psycopg.OperationalError,
+            psycopg.errors.IdleInTransactionSessionTimeout,
+        )
+        cached = dataclasses.replace(cached, retry_on=retry_on)
+        task.__dict__["_outbox_policy"] = cached
+    return cached  # type: ignore[no-any-return]
+
+
+def _max_run(task: Any) -> float:
+    cached = task.__dict__.get("_outbox_max_run")
+    if cached is None:
+        limit = task.time_limit or task.app.conf.get("task_time_limit")
+        cached = float(limit) if limit else float(task.outbox_max_run_seconds)
+        task.__dict__["_outbox_max_run"] = cached
+    return float(cached)
+
+
+def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``DurableTask.__call__``: a tracked run when the relay sent it, else the body."""
+    # Celery wraps run() for autoretry_for; the original body never retries
+    # through the broker (the row's reschedule is the retry).
+    body = getattr(task, "_orig_run", None) or task.run
+    ref = lease_from_request(task.request)
+    if ref is None:
+        # Called directly, or sent without the outbox (.delay()): untracked.
+        return body(*args, **kwargs)
+    inst = _installation(task)
+    services = inst.services()
+    settings = inst.settings
+    lease = float(task.outbox_lease_seconds or settings.lease_seconds)
+    max_run = _max_run(task)
+    with _session(services, inst) as conn:
+        _bound(conn, max_run + lease)
+        return _tracked(task, inst, _Run(conn, services), ref, lease, max_run, body, args, kwargs)
+
+
+def _tracked(
+    task: Any,
+    inst: Installation,
+    current: _Run,
+    ref: LeaseRef,
+    lease: float,
+    max_run: float,
+    body: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    table = inst.settings.outbox_table
+    needed = timedelta(seconds=begin_margin(lease))
+    observers = Observers(list(inst.observers))
+    began = current.write(
+        lambda conn: store.begin(conn, [ref], needed=needed, count_attempt=True, table=table)
+    ).get(ref.id)
+    if began is None or began.claimed.lease_version != ref.lease_version:
+        log.info(
+            "skipping %s[%s]: outbox #%s v%s is no longer processing under this lease",
+            task.name,
+            task.request.id,
+            ref.id,
+            ref.lease_version,
+        )
+        observers.stale(ref, "not held under this lease version")
+        return None
+    if not began.started:
+        # Too little lease left to renew it in time: give the row back now.
+        reason = f"too little lease left ({began.lease_left_seconds:.1f}s) to begin"
+        current.write(
+            lambda conn: store.finalize(conn, [Outcome.release(ref, reason=reason)], table=table)
+        )
+        log.info("not running %s[%s]: outbox #%s %s", task.name, task.request.id, ref.id, reason)
+        return None
+    claimed = began.claimed
+    keeper = current.services.keeper_for(lease)
+    _local.run = current
+    try:
+        with keeper.hold([(ref, began.lease_left_seconds)], max_hold=max_run):
+            try:
+                result = body(*args, **kwargs)
+                return _succeeded(task, inst, current, claimed, result, observers, began)
+            except Exception as exc:
+                current.rollback()
+                _failed(task, inst, current, claimed, exc, observers, began.age_seconds)
+                raise
+    finally:
+        _local.run = None
+        current.rollback()  # a no-op after a commit; else the effect goes
+
+
+def _succeeded(
+    task: Any,
+    inst: Installation,
+    current: _Run,
+    claimed: Claimed,
+    result: Any,
+    observers: Observers,
+    began: store.Began,
+) -> Any:
+    table = inst.settings.outbox_table
+    chain = list((claimed.payload or {}).get("chain") or [])
+    outcome = Outcome.done(claimed)
+
+    def finish(conn: psycopg.Connection[Any], savepoint: bool) -> bool:
+        # The effect transaction commits or rolls back whole: no savepoint.
+        if claimed.id not in store.finalize(conn, [outcome], table=table, savepoint=savepoint):
+            return False
+        if chain:
+            step = dict(chain[0])
+            if not step.get("immutable"):
+                # Celery's chain rule: a step receives the previous result first.
+                step["args"] = [result, *list(step.get("args") or ())]
+            write_step(conn, inst.outbox, task.app, step, chain[1:])
+        return True
+
+    if chain:
+        current.connection()  # the successor commits with this row's done
+    if current.in_transaction:
+        done = finish(current.conn, False)
+        if done:
+            current.commit()
+        else:
+            current.rollback()
+    else:
+        done = current.write(lambda conn: finish(conn, True))
+    if not done:
+        log.info(
+            "%s[%s] finished but outbox #%s v%s was no longer its to finish (its lease lapsed "
+            "and another run holds the row): its effect was rolled back",
+            task.name,
+            task.request.id,
+            claimed.id,
+            claimed.lease_version,
+        )
+        observers.lost_lease(claimed.ref, "finalize")
+        return result
+    observers.finalized(claimed, outcome, began.age_seconds)
+    _hint_claim(task)
+    return result
+
+
+def _failed(
+    task: Any,
+    inst: Installation,
+    current: _Run,
+    claimed: Claimed,
+    exc: Exception,
+    observers: Observers,
+    age_seconds: float,
+) -> None:
+    """Record a failed body; raise Retry when it is rescheduled (else the caller re-raises)."""
+    table = inst.settings.outbox_table
+    outcome = classify_task(exc, claimed, _policy(task, inst), age_seconds=age_seconds)
+    changed = current.write(lambda conn: store.finalize(conn, [outcome], table=table))
+    if claimed.id not in changed:
+        log.info(
+            "%s[%s] failed, but outbox #%s v%s is no longer its lease: the current holder decides",
+            task.name,
+            task.request.id,
+            claimed.id,
+            claimed.lease_version,
+        )
+        observers.lost_lease(claimed.ref, "finalize")
+        return
+    observers.finalized(claimed, outcome, age_seconds)
+    _hint_claim(task)
+    if outcome.status == "pending":
+        seconds = outcome.delay.total_seconds()
+        log.info(
+            "%s[%s]: outbox #%s rescheduled in %.1fs (attempt %s): %s",
+            task.name,
+            task.request.id,
+            claimed.id,
+            seconds,
+            claimed.attempts,
+            outcome.error,
+        )
+        # Celery's RETRY state for monitoring; nothing is sent to the broker
+        # (the row's available_at is the retry).
+        raise Retry(
+            f"rescheduled in the database, due in {seconds:.1f}s: {outcome.error}",
+            exc=exc,
+            when=seconds,
+        ) from exc

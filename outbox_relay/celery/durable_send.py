@@ -1,0 +1,98 @@
+"""The relay's side of durable tasks: a claimed ``celery.durable`` row is sent
+as the task itself (one hop), not as an ``outbox_relay.deliver`` task.
+
+The message carries the row's fixed task id, ``(outbox id, lease_version)``
+in its headers, the routing options stored on the row, and ``expires`` once
+the lease left is too short for the run to begin (a backlogged task is
+dropped, never run late; its lease then lapses and the row is sent again).
+Flower and worker logs show ``(outbox #id vN)`` instead of the arguments.
+
+A hand-off row (a non-durable step of a durable chain) is sent the same way
+and marked done once the broker has it; the rest of its chain travels in
+the message as Celery's own chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Settings
+from ..model import Claimed, Outcome
+from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION
+from .durable_run import begin_margin
+
+__all__ = ["DurableSends", "is_durable_row", "send_durable"]
+
+
+def is_durable_row(row: Claimed) -> bool:
+    return row.event_type == DURABLE_EVENT
+
+
+@dataclass
+class DurableSends:
+    """What the fan-out must finalize after sending durable rows."""
+
+    handed_off: list[Claimed] = field(default_factory=list)
+    broken: list[Outcome] = field(default_factory=list)
+
+    def outcomes(self) -> list[Outcome]:
+        return [Outcome.done(row) for row in self.handed_off] + self.broken
+
+
+def _lease(row: Claimed, settings: Settings) -> float:
+    value = (row.headers or {}).get("lease_seconds")
+    return float(value) if isinstance(value, (int, float)) else settings.lease_seconds
+
+
+def _chain_option(app: Any, chain: Sequence[Any]) -> list[Any] | None:
+    if not chain:
+        return None
+    from celery import signature
+
+    # Celery's message protocol carries the rest of a chain last step first.
+    return [signature(dict(step), app=app) for step in reversed(chain)]
+
+
+def send_durable(
+    app: Any, settings: Settings, producer: Any, row: Claimed, sends: DurableSends
+) -> None:
+    """Send one claimed durable row's task; note what must be finalized."""
+    payload = row.payload if isinstance(row.payload, dict) else {}
+    try:
+        name = str(payload["task"])
+        task_id = str(payload["id"])
+        args = list(payload.get("args") or [])
+        kwargs = dict(payload.get("kwargs") or {})
+        options = dict(payload.get("options") or {})
+        track = bool(payload.get("track", True))
+        chain = list(payload.get("chain") or [])
+    except (KeyError, TypeError, ValueError) as exc:
+        # Written by hand or by a version that knew another layout: nothing
+        # can run it, and it must not block the rest of the claim.
+        sends.broken.append(
+            Outcome.dead(row, error=f"not a durable task row ({type(exc).__name__}: {exc})")
+        )
+        return
+    lease = _lease(row, settings)
+    row_label = f"(outbox #{row.id} v{row.lease_version})"
+    send: dict[str, Any] = {
+        **options,
+        "task_id": task_id,
+        "producer": producer,
+        "serializer": "json",
+        "argsrepr": row_label,
+        "kwargsrepr": "{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}" if kwargs else "{}",
+    }
+    if track:
+        send["headers"] = {HEADER_ID: row.id, HEADER_LEASE_VERSION: row.lease_version}
+        send["expires"] = max(1.0, lease - begin_margin(lease))
+    else:
+        # The rest of the chain continues as Celery's own (see the module doc).
+        send["chain"] = _chain_option(app, chain)
+    # send_task, not Task.apply_async: never run inline (task_always_eager),
+    # and no need for the task to be registered in the relay's process.
+    app.send_task(name, args=args, kwargs=kwargs, **send)
+    if not track:
+        sends.handed_off.append(row)

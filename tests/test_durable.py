@@ -1,0 +1,560 @@
+"""Durable tasks: the outbox row tracks the task's execution (issue 10, items 3 and 4).
+
+Real ``celery worker`` and ``celery beat`` processes of a user's app
+(tests/apps/durable_app.py, relay installed into it) on a real Redis: a
+worker killed mid-body, a broker that forgets its queue and a backlog that
+expires lose no task and keep every task id; failures are rescheduled in the
+database by the task's own retry options, or end dead; duplicate and stale
+runs leave one effect; a chain's next step is written with its
+predecessor's ``done``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery, chain
+
+import outbox_relay
+from outbox_relay.celery import DurableTask, write_durable
+from outbox_relay.errors import ConfigError, InvalidMessage, OutboxError
+from tests.apps import durable_app
+from tests.apps.durable_app import boom, effect, exhaust, first, flaky, plain, poison, second
+
+from . import services
+from .celery_procs import CeleryProcs, Proc, wait_for
+from .test_celery_pipeline import EventTap, _client
+
+pytestmark = pytest.mark.celery
+
+TABLES = """
+CREATE TABLE runs (key text NOT NULL, task_id text, pid int NOT NULL, at timestamptz NOT NULL);
+CREATE TABLE effects (key text NOT NULL, task_id text, value text);
+"""
+LEASE = 6.0
+
+
+@pytest.fixture
+def app_dsn(dsn: str) -> str:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(TABLES)
+    return dsn
+
+
+class Setup:
+    """Worker and beat processes of the durable app, and the queues they use."""
+
+    def __init__(self, dsn: str, broker: str, folder: Path) -> None:
+        self.dsn = dsn
+        self.broker = broker
+        # The broker may be shared with other suites: queues of our own.
+        self.queue = f"dq-{uuid.uuid4().hex[:8]}"
+        self.relay_queue = f"dr-{uuid.uuid4().hex[:8]}"
+        self.procs = CeleryProcs(
+            {
+                "DURABLE_DSN": dsn,
+                "DURABLE_BROKER_URL": broker,
+                "DURABLE_QUEUE": self.queue,
+                "DURABLE_LEASE": str(LEASE),
+                "OUTBOX_QUEUE": self.relay_queue,
+                "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
+            },
+            folder,
+            app="tests.apps.durable_app",
+        )
+
+    def worker(self, *queues: str, concurrency: int = 2, events: bool = False, **env: str) -> Proc:
+        args = ("-Q", ",".join(queues)) if queues else ()
+        return self.procs.worker(concurrency=concurrency, events=events, args=args, env=env)
+
+    def beat(self) -> Proc:
+        return self.procs.beat()
+
+    def logs(self) -> str:
+        return self.procs.logs()
+
+
+@pytest.fixture
+def setup(app_dsn: str, tmp_path: Path) -> Iterator[Any]:
+    made: list[Setup] = []
+
+    def factory(broker: str | None = None) -> Setup:
+        s = Setup(app_dsn, broker or services.redis_url(), tmp_path)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.procs.stop_all()
+
+
+def _rows(dsn: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _write(dsn: str, sig: Any, **options: Any) -> Any:
+    """A business transaction that writes one durable task call."""
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        return write_durable(conn, None, sig, options)
+
+
+def _row(dsn: str, task_id: str) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(
+            "SELECT id, status, attempts, lease_version, available_at, last_error, created_at,"
+            " done_at, now() AS now FROM outbox WHERE payload->>'id' = %s",
+            (task_id,),
+        )
+        names = [d.name for d in cur.description or []]
+        found = cur.fetchone()
+    assert found is not None, f"no outbox row for task {task_id}"
+    return dict(zip(names, found))
+
+
+def _all_done(dsn: str, task_ids: list[str]) -> bool:
+    return all(_row(dsn, t)["status"] == "done" for t in task_ids)
+
+
+def _runs(dsn: str, key: str) -> list[tuple[Any, ...]]:
+    return _rows(dsn, "SELECT task_id, pid, at FROM runs WHERE key = %s ORDER BY at", (key,))
+
+
+def _effects(dsn: str, key: str) -> list[tuple[Any, ...]]:
+    return _rows(dsn, "SELECT task_id, value FROM effects WHERE key = %s", (key,))
+
+
+def _assert_once_each(dsn: str, results: dict[str, Any]) -> None:
+    """Every task done, one effect each, and only ever its fixed task id."""
+    for key, result in results.items():
+        assert [e[0] for e in _effects(dsn, key)] == [result.id], key
+        assert {r[0] for r in _runs(dsn, key)} == {result.id}, key
+
+
+# --------------------------------------------------------------- producing
+def test_write_durable_fixes_the_task_id_and_writes_one_row(dsn, conn) -> None:
+    result = _write(dsn, effect.s("k1").set(queue="billing"), countdown=30)
+    [(event_type, payload, headers, wait)] = conn.execute(
+        "SELECT event_type, payload, headers, available_at - now() FROM outbox"
+    ).fetchall()
+    assert event_type == "celery.durable"
+    assert payload["id"] == result.id and payload["task"] == "durable.effect"
+    assert payload["args"] == ["k1"] and payload["kwargs"] == {}
+    assert payload["options"] == {"queue": "billing"}
+    assert payload["track"] is True
+    # Its lease and its attempt limit (Celery's default max_retries=3, plus one).
+    assert headers == {"lease_seconds": durable_app.LEASE, "max_attempts": 4}
+    assert timedelta(seconds=25) < wait <= timedelta(seconds=30)
+    # The convenience on the task writes the same kind of row.
+    again = effect.enqueue(conn, "k2", sleep=1.5)
+    assert again.id != result.id
+    rows = conn.execute("SELECT payload->'kwargs' FROM outbox ORDER BY id").fetchall()
+    assert rows[1][0] == {"sleep": 1.5}
+
+
+def test_apply_async_and_its_asyncio_form_write_a_durable_row(dsn, conn) -> None:
+    import asyncio
+
+    from celery import chain
+
+    from outbox_relay import aio
+
+    with psycopg.connect(dsn) as sync_conn, sync_conn.transaction():
+        one = outbox_relay.apply_async(sync_conn, effect.s("k1"))
+        two = outbox_relay.apply_async(sync_conn, chain(effect.s("k2"), effect.s("k3")))
+
+    async def write() -> Any:
+        async with await psycopg.AsyncConnection.connect(dsn) as aconn, aconn.transaction():
+            return await aio.apply_async(aconn, effect.s("k4"))
+
+    three = asyncio.run(write())
+    rows = conn.execute(
+        "SELECT event_type, payload->>'id', jsonb_array_length(payload->'chain'), ordered "
+        "FROM outbox ORDER BY id"
+    ).fetchall()
+    # One tracked row each; a chain's later steps ride in its first row.
+    assert rows == [
+        ("celery.durable", one.id, 0, False),
+        ("celery.durable", two.parent.id, 1, False),
+        ("celery.durable", three.id, 0, False),
+    ]
+
+
+def test_write_durable_refuses_what_it_cannot_run(dsn, conn) -> None:
+    with pytest.raises(InvalidMessage, match=r"no task named 'durable\.efect'.*did you mean"):
+        _write(dsn, effect.app.signature("durable.efect", args=("k",)))
+    with pytest.raises(InvalidMessage, match="not a DurableTask"):
+        _write(dsn, plain.s("x", "k"))
+    with pytest.raises(InvalidMessage, match="args must be JSON-serializable"):
+        _write(dsn, effect.s(object()))
+    with pytest.raises(InvalidMessage, match=r"'link' is not supported.*chain"):
+        _write(dsn, effect.s("k"), link=effect.s("j"))
+    with (
+        pytest.raises(InvalidMessage, match="reserved for durable Celery tasks"),
+        conn.transaction(),
+    ):
+        outbox_relay.enqueue(
+            conn, aggregate_type="a", aggregate_id="1", event_type="celery.durable", payload={}
+        )
+    assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
+
+
+def test_the_plain_loop_never_publishes_a_durable_row(dsn, conn) -> None:
+    result = _write(dsn, effect.s("loop"))
+    published: list[Any] = []
+    assert outbox_relay.dispatch_once(conn, published.append, owner="loop") == 1
+    assert published == []
+    row = _row(dsn, result.id)
+    assert row["status"] == "dead"
+    assert "only the Celery relay (outbox_relay.install) runs it" in row["last_error"]
+
+
+def test_a_bad_lease_setting_fails_where_the_task_is_defined() -> None:
+    app = Celery("lease-check", set_as_current=False)
+
+    def body() -> None:
+        """Never runs."""
+
+    # shared=False: Celery would otherwise add it to every app made later.
+    task = app.task(name="bad_lease", base=DurableTask, outbox_lease_seconds=-1, shared=False)(body)
+    with pytest.raises(ConfigError, match="bad_lease: outbox_lease_seconds must be a positive"):
+        task.name  # noqa: B018  # Celery defines the task on first use
+
+
+def test_a_direct_call_runs_the_body_untracked() -> None:
+    app = Celery("direct", set_as_current=False)
+
+    @app.task(base=DurableTask, bind=True, name="direct.add", shared=False)
+    def add(self: Any, a: int, b: int) -> int:
+        return a + b
+
+    @app.task(base=DurableTask, bind=True, name="direct.conn", shared=False)
+    def conn_of(self: Any) -> Any:
+        return self.outbox_conn
+
+    assert add(1, 2) == 3
+    with pytest.raises(OutboxError, match="only while a durable task runs as sent by the relay"):
+        conn_of()
+
+
+# --------------------------------------------------------------- crashes
+def test_a_worker_killed_mid_body_loses_no_task(setup) -> None:
+    s = setup()
+    s.beat()
+    w1 = s.worker(DURABLE_SLOW="60")  # every body it runs sleeps
+    results = {f"kill-{i}": _write(s.dsn, effect.s(f"kill-{i}")) for i in range(4)}
+    wait_for(
+        lambda: len(_rows(s.dsn, "SELECT 1 FROM runs")) >= 2,
+        timeout=60,
+        what=f"two bodies running\n{s.logs()}",
+    )
+    w1.kill(signal.SIGKILL)  # the worker and its pool, mid-body
+    w1.popen.wait(10)
+    s.worker()
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    assert any(len(_runs(s.dsn, key)) >= 2 for key in results)  # a killed run was re-run
+
+
+def test_a_broker_that_forgets_its_queue_loses_no_task(setup, owned_redis) -> None:
+    s = setup(owned_redis.url)
+    s.beat()
+    s.worker(s.relay_queue)  # the relay only: the tasks wait in their queue
+    results = {f"flush-{i}": _write(s.dsn, effect.s(f"flush-{i}")) for i in range(5)}
+    client = owned_redis.client()
+    wait_for(lambda: client.llen(s.queue) == 5, timeout=60, what=f"5 queued\n{s.logs()}")
+    client.flushall()
+    s.worker(s.queue)
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+
+
+def test_a_backlog_that_expired_is_sent_again_and_runs(setup) -> None:
+    """Celery puts the id of an expired message on the worker's revoked list;
+    the same id sent again under a new lease must still run."""
+    s = setup()
+    s.beat()
+    s.worker(s.relay_queue)
+    results = {f"late-{i}": _write(s.dsn, effect.s(f"late-{i}")) for i in range(2)}
+    versions = {k: _row(s.dsn, r.id)["lease_version"] for k, r in results.items()}
+    wait_for(
+        lambda: all(_row(s.dsn, r.id)["lease_version"] >= 1 for r in results.values()),
+        timeout=30,
+        what="claimed and sent",
+    )
+    time.sleep(LEASE)  # past the messages' expiry (lease minus the begin margin)
+    consumer = s.worker(s.queue)
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    # The row is done before the worker logs the task's success.
+    wait_for(
+        lambda: all(
+            f"durable.effect[{r.id}] succeeded" in consumer.text() for r in results.values()
+        ),
+        timeout=10,
+        what="the success lines",
+    )
+    log = consumer.text()
+    for result in results.values():
+        # The expired message was dropped, not run late; the one sent under
+        # the next lease, with the same id, ran on the same worker.
+        dropped = log.find(f"Discarding revoked task: durable.effect[{result.id}]")
+        ran = log.find(f"durable.effect[{result.id}] succeeded")
+        assert 0 <= dropped < ran, log
+    assert all(_row(s.dsn, r.id)["lease_version"] > versions[k] + 1 for k, r in results.items())
+
+
+# -------------------------------------------------------------- failures
+def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
+    s = setup()
+    s.beat()
+    worker = s.worker()
+    retried = _write(s.dsn, flaky.s("flaky", 2))
+    exhausted = _write(s.dsn, exhaust.s("exhaust"))
+    broken = _write(s.dsn, boom.s("boom"))
+
+    # After the first failure: pending again, due after retry_backoff x 2^1 s.
+    def first_failure() -> dict[str, Any] | None:
+        row = _row(s.dsn, retried.id)
+        return row if row["status"] == "pending" and row["attempts"] == 1 else None
+
+    row = wait_for(first_failure, timeout=60, interval=0.05, what=f"rescheduled\n{s.logs()}")
+    assert "Flaky: run of flaky fails" in row["last_error"]
+    assert timedelta(0) < row["available_at"] - row["now"] <= timedelta(seconds=2)
+
+    ids = [retried.id, exhausted.id, broken.id]
+    wait_for(
+        lambda: all(_row(s.dsn, t)["status"] in ("done", "dead") for t in ids),
+        timeout=90,
+        what=f"finished\n{s.logs()}",
+    )
+    done = _row(s.dsn, retried.id)
+    assert (done["status"], done["attempts"]) == ("done", 3)
+    at = [r[2] for r in _runs(s.dsn, "flaky")]
+    assert len(at) == 3
+    # No jitter: 2 s after the first failure, 4 s after the second (database time).
+    assert (at[1] - at[0]).total_seconds() >= 2.0
+    assert (at[2] - at[1]).total_seconds() >= 4.0
+    assert [e[0] for e in _effects(s.dsn, "flaky")] == [retried.id]
+
+    dead = _row(s.dsn, exhausted.id)
+    assert (dead["status"], dead["attempts"]) == ("dead", 2)  # max_retries=1
+    assert "retries exhausted after 2 attempts" in dead["last_error"]
+    assert _effects(s.dsn, "exhaust") == []  # each failed run's effect rolled back
+
+    dead = _row(s.dsn, broken.id)
+    assert (dead["status"], dead["attempts"]) == ("dead", 1)
+    assert "not in autoretry_for: ValueError: boom is broken" in dead["last_error"]
+    assert len(_runs(s.dsn, "boom")) == 1
+    # Monitoring sees failures: Celery's FAILURE line and the relay's ERROR
+    # line (logged after the row is written: wait for them).
+    lines = [
+        f"outbox message {dead['id']} v1 (celery.durable) is dead",
+        f"durable.boom[{broken.id}] raised unexpected: ValueError",
+        f"durable.flaky[{retried.id}] retry: rescheduled in the database, due in 2.0s",
+    ]
+    wait_for(lambda: all(x in worker.text() for x in lines), timeout=10, what="log lines")
+
+
+def test_a_body_that_kills_its_worker_ends_dead_after_its_own_max_retries(setup) -> None:
+    s = setup()
+    s.beat()
+    s.worker()
+    result = _write(s.dsn, poison.s("poison"))  # max_retries=1: two attempts
+    wait_for(
+        lambda: _row(s.dsn, result.id)["status"] == "dead", timeout=90, what=f"dead\n{s.logs()}"
+    )
+    row = _row(s.dsn, result.id)
+    assert row["attempts"] == 2
+    assert "lease expired on the last attempt (2 of 2)" in row["last_error"]
+    assert len(_runs(s.dsn, "poison")) == 2
+
+
+# ------------------------------------------------------ duplicates, stale
+def test_a_frozen_worker_past_its_lease_leaves_one_effect(setup) -> None:
+    s = setup()
+    s.beat()
+    frozen = s.worker(concurrency=1)
+    result = _write(s.dsn, effect.s("frozen", sleep=LEASE * 2))
+    wait_for(lambda: _runs(s.dsn, "frozen"), timeout=60, what=f"the body runs\n{s.logs()}")
+    frozen.kill(signal.SIGSTOP)  # no renewals: its lease lapses, the relay re-sends
+    try:
+        s.worker()
+        wait_for(
+            lambda: _row(s.dsn, result.id)["status"] == "done",
+            timeout=90,
+            what=f"done by the other worker\n{s.logs()}",
+        )
+    finally:
+        frozen.kill(signal.SIGCONT)
+    wait_for(
+        lambda: "effect was rolled back" in frozen.text() or "failed, but outbox" in frozen.text(),
+        timeout=60,
+        what=f"the stale run ends\n{frozen.text()[-3000:]}",
+    )
+    runs = _runs(s.dsn, "frozen")
+    assert len(runs) == 2 and {r[0] for r in runs} == {result.id}
+    assert [e[0] for e in _effects(s.dsn, "frozen")] == [result.id]
+    assert _row(s.dsn, result.id)["status"] == "done"
+
+
+def test_a_stale_message_skips_the_body(setup) -> None:
+    s = setup()
+    s.beat()
+    worker = s.worker()
+    result = _write(s.dsn, effect.s("stale"))
+    wait_for(lambda: _row(s.dsn, result.id)["status"] == "done", timeout=60, what=s.logs())
+    row = _row(s.dsn, result.id)
+    # The broker delivers an old message again (same id, the lease it was sent under).
+    client = durable_app.app.__class__("client", broker=s.broker, set_as_current=False)
+    client.conf.update(task_serializer="json", accept_content=["json"])
+    client.send_task(
+        "durable.effect",
+        args=["stale"],
+        task_id=result.id,
+        queue=s.queue,
+        headers={
+            "outbox-durable-id": row["id"],
+            "outbox-durable-lease-version": row["lease_version"],
+        },
+    )
+    wait_for(lambda: "is no longer processing under this lease" in worker.text(), timeout=30)
+    assert len(_runs(s.dsn, "stale")) == 1  # the body did not run again
+    assert [e[0] for e in _effects(s.dsn, "stale")] == [result.id]
+
+
+def test_the_relay_sends_the_task_where_its_own_options_route_it(setup) -> None:
+    s = setup()
+    s.beat()
+    custom = f"dc-{uuid.uuid4().hex[:8]}"
+    s.worker(s.relay_queue, custom)  # not the app's default queue
+    result = _write(s.dsn, effect.s("routed"), queue=custom)
+    wait_for(lambda: _row(s.dsn, result.id)["status"] == "done", timeout=60, what=s.logs())
+    assert [e[0] for e in _effects(s.dsn, "routed")] == [result.id]
+
+
+def test_flower_sees_the_row_never_the_arguments(setup) -> None:
+    s = setup()
+    s.beat()
+    s.worker(events=True)  # -E: task events, as Flower reads them
+    with EventTap(_client(s.broker)) as tap:
+        result = _write(s.dsn, effect.s("card-4242-4242", sleep=0.1))
+        received = wait_for(
+            lambda: [e for e in tap.of_type("task-received") if e.get("uuid") == result.id],
+            timeout=60,
+            what=f"task-received\n{s.logs()}",
+        )
+    row = _row(s.dsn, result.id)
+    assert received[0]["name"] == "durable.effect"
+    assert received[0]["args"] == f"(outbox #{row['id']} v1)"
+    assert received[0]["kwargs"] == "{'sleep': ...}"
+    # Arguments never show; a return value does, as Celery shows any task's.
+    shown = [{k: v for k, v in e.items() if k != "result"} for e in tap.events]
+    assert "card-4242" not in repr(shown)
+
+
+# ----------------------------------------------------------------- chains
+def test_a_chain_runs_each_step_after_the_previous_committed(setup) -> None:
+    s = setup()
+    s.beat()
+    s.worker()
+    both = _write(s.dsn, chain(first.s("chain"), second.s("chain")))
+    handoff = _write(s.dsn, chain(first.s("tail"), plain.s("tail")))
+    first_id, second_id = both.parent.id, both.id
+    wait_for(
+        lambda: len(_effects(s.dsn, "chain")) == 2 and len(_effects(s.dsn, "tail")) == 2,
+        timeout=90,
+        what=f"both chains ran\n{s.logs()}",
+    )
+    wait_for(lambda: _all_done(s.dsn, [first_id, second_id, handoff.id]), timeout=30)
+    effects = dict((value, task_id) for task_id, value in _effects(s.dsn, "chain"))
+    # The second step saw the first one's effect committed, and got its result.
+    assert effects == {"first": first_id, "second after 1 first; got chain:from-first": second_id}
+    runs = _runs(s.dsn, "chain")
+    assert [r[0] for r in runs] == [first_id, second_id]
+    # Written in the transaction of the first step's done (now() is that
+    # transaction's start: the two are equal).
+    assert _row(s.dsn, second_id)["created_at"] == _row(s.dsn, first_id)["done_at"]
+    # A plain last step is handed to Celery by the relay, with its fixed id.
+    tail = {value: task_id for task_id, value in _effects(s.dsn, "tail")}
+    assert tail["plain got tail:from-first"] == handoff.id
+
+
+# ------------------------------------------------------------------- docs
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "durable.md"
+
+
+def test_the_docs_example_runs_as_written(dsn, tmp_path) -> None:
+    """docs/durable.md's example app and commands, on this test's database and Redis."""
+    text = DOCS.read_text()
+    section = text[text.index("## Example") : text.index("## What the row records")]
+    (tmp_path / "shop_tasks.py").write_text(section.split("```python\n")[1].split("```")[0])
+    commands = section.split("```sh\n")[1].split("```")[0].strip().splitlines()
+    env = {
+        **os.environ,
+        "OUTBOX_DSN": dsn,
+        "CELERY_BROKER_URL": services.redis_url(),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    # This checkout's package (the shared virtualenv may install another).
+    env["PYTHONPATH"] = str(DOCS.parent.parent)
+    background: list[subprocess.Popen[bytes]] = []
+    logs = tmp_path / "procs.log"
+    try:
+        with logs.open("wb") as log:
+            for line in commands:
+                if line.startswith("export "):
+                    continue  # the test's own database and broker instead
+                if line.endswith("&"):
+                    background.append(
+                        subprocess.Popen(
+                            line[:-1],
+                            shell=True,
+                            cwd=tmp_path,
+                            env=env,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )
+                    )
+                    continue
+                if line.startswith("sleep "):
+                    # "sleep 10; check": poll the check instead of trusting 10 s.
+                    check = line.split(";", 1)[1].split("#", 1)[0].strip()
+
+                    def shipped(check: str = check) -> bool:
+                        out = subprocess.run(
+                            check, shell=True, cwd=tmp_path, env=env, capture_output=True
+                        )
+                        return out.stdout.strip().endswith(b"shipped")
+
+                    wait_for(shipped, timeout=60, what=f"shipped\n{logs.read_text()[-3000:]}")
+                    continue
+                out = subprocess.run(
+                    line, shell=True, cwd=tmp_path, env=env, capture_output=True, timeout=60
+                )
+                assert out.returncode == 0, f"{line}: {out.stdout!r} {out.stderr!r}"
+    finally:
+        for proc in background:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert _rows(dsn, "SELECT status, count(*) FROM outbox GROUP BY status") == [("done", 2)]
