@@ -11,7 +11,7 @@ the user's ``task_routes`` decide, with the relay's own route (the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -88,25 +88,29 @@ def fan_out(
     deliver: Any,
     deliver_batch: Any,
     annotated: dict[str, Any],
-    follow_up: Callable[[Any], None] | None = None,
+    drain: bool = False,
 ) -> None:
-    """Send the delivery tasks; ``follow_up`` (a claim) goes in halfway through.
+    """Send the delivery tasks; with ``drain``, the middle one carries the next claim.
 
-    A drain's next claim sits in the queue behind half of this round's
-    deliveries: it runs while the other half is still queued, so the workers
-    never wait on an empty queue between rounds, and the broker holds about
-    one round at a time (self-pacing, whatever the workers' speed).
+    The delivery task halfway through the round sends the next claim when it
+    starts: by then about half of this round has been delivered, so that
+    claim finds room under the in-flight cap, and its deliveries queue up
+    behind the other half, so the workers never wait on an empty queue
+    between rounds. A claim queued as a task of its own at that point would
+    not wait for anything: a worker prefetches a whole round at once
+    (``worker_prefetch_multiplier``), runs the claim at once, finds the cap
+    reached, and after a few empty rounds the drain would stop until beat's
+    next tick (seen as 4 s stalls every 5 s with chunks of 50). If that one
+    task is lost, beat's tick starts the drain again.
     """
     size = settings.chunk_size
     chunks = chunked(claimed, size)
-    halfway = len(chunks) // 2
+    halfway = len(chunks) // 2 if drain else -1
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             for number, chunk in enumerate(chunks):
-                if follow_up is not None and number == halfway:
-                    follow_up(producer)
                 refs = [c.ref for c in chunk]
                 options: dict[str, Any] = {
                     "expires": expires,
@@ -118,6 +122,8 @@ def fan_out(
                     options["time_limit"] = hard_limit
                 if "soft_time_limit" not in annotated:
                     options["soft_time_limit"] = soft_limit
+                if number == halfway:
+                    options["kwargs"] = {"drain": True}
                 if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
                 else:

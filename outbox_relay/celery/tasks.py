@@ -61,14 +61,21 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
-    def deliver(self: Any, outbox_id: int, lease_version: int) -> dict[str, int]:
-        """Deliver one leased message (the default, one task per message)."""
+    def deliver(
+        self: Any, outbox_id: int, lease_version: int, drain: bool = False
+    ) -> dict[str, int]:
+        """Deliver one leased message (the default, one task per message).
+        ``drain``: this task is halfway through a full round; claim the next one."""
+        if drain:
+            _send(claim)
         ref = LeaseRef(int(outbox_id), int(lease_version))
         return after_delivery(inst.services().deliverer.deliver([ref]))
 
     @app.task(name=names.DELIVER_BATCH, **_TASK)  # type: ignore[untyped-decorator]
-    def deliver_batch(self: Any, refs: list[list[int]]) -> dict[str, int]:
+    def deliver_batch(self: Any, refs: list[list[int]], drain: bool = False) -> dict[str, int]:
         """Deliver a chunk: one begin, concurrent publishes, one batched finalize."""
+        if drain:
+            _send(claim)
         leases = [LeaseRef(int(i), int(v)) for i, v in refs]
         return after_delivery(inst.services().deliverer.deliver(leases))
 
@@ -91,7 +98,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver=deliver,
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
-                follow_up=(lambda producer: _send(claim, producer=producer)) if more else None,
+                drain=more,
             )
         elif result.capped and int(held_back) < MAX_HELD_BACK_ROUNDS:
             # Backpressure: look again after the deliveries queued meanwhile.

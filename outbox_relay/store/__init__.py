@@ -21,6 +21,7 @@ from .ops import PurgeResult, get_row, purge, stats
 from .relay import (
     Began,
     Rescued,
+    backlog,
     begin,
     claim,
     extend_lease,
@@ -41,6 +42,7 @@ __all__ = [
     "PurgeResult",
     "Rescued",
     "applied_migrations",
+    "backlog",
     "begin",
     "claim",
     "extend_lease",
