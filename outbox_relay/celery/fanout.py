@@ -11,7 +11,8 @@ the user's ``task_routes`` decide, with the relay's own route (the
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -88,41 +89,57 @@ def fan_out(
     deliver: Any,
     deliver_batch: Any,
     annotated: dict[str, Any],
-    drain: bool = False,
+    follow_up: Callable[[Any], None] | None = None,
+    prefetched: int = 0,
 ) -> None:
-    """Send the delivery tasks; with ``drain``, the middle one carries the next claim.
+    """Send the delivery tasks, and with them the drain's next claim (``follow_up``).
 
-    The delivery task halfway through the round sends the next claim when it
-    starts: by then about half of this round has been delivered, so that
-    claim finds room under the in-flight cap, and its deliveries queue up
+    The next claim should run when about half of this round is delivered:
+    it then finds room under the in-flight cap, and its deliveries queue up
     behind the other half, so the workers never wait on an empty queue
-    between rounds. A claim queued as a task of its own at that point would
-    not wait for anything: a worker prefetches a whole round at once
-    (``worker_prefetch_multiplier``), runs the claim at once, finds the cap
-    reached, and after a few empty rounds the drain would stop until beat's
-    next tick (seen as 4 s stalls every 5 s with chunks of 50). If that one
-    task is lost, beat's tick starts the drain again.
+    between rounds. Where it goes depends on the round's size against what
+    a worker takes from the queue ahead of time (``prefetched``, its
+    concurrency x ``worker_prefetch_multiplier``):
+
+    * a long round: the claim is queued as a task of its own halfway
+      through; it is reached when half the round has been taken;
+    * a short round (chunks of 50 from a batch of 500 are 10 tasks): a worker
+      prefetches the whole round at once, so a claim queued among them would
+      run at once, find the cap reached, and after a few empty rounds stop
+      the drain until beat's next tick (seen as 4 s stalls every 5 s). The
+      delivery task halfway through sends the claim as it starts instead.
+      If that one task is lost, beat's tick starts the drain again.
     """
     size = settings.chunk_size
     chunks = chunked(claimed, size)
-    halfway = len(chunks) // 2 if drain else -1
+    halfway = len(chunks) // 2
+    window = prefetched or 4 * (os.cpu_count() or 1)  # Celery's default multiplier
+    queued = follow_up is not None and len(chunks) > 2 * window
+    marked = halfway if follow_up is not None and not queued else -1
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
+    common: dict[str, Any] = {"expires": expires, "serializer": "json"}
+    if "time_limit" not in annotated:
+        common["time_limit"] = hard_limit
+    if "soft_time_limit" not in annotated:
+        common["soft_time_limit"] = soft_limit
+    # The claim task's lineage, looked up once per round: Celery would look
+    # up the current task twice per message sent, and keep a result object
+    # for each in the claim's request (add_to_parent) until it returns.
+    parent = app.current_worker_task
+    if parent is not None and getattr(parent.request, "id", None):
+        common["parent_id"] = parent.request.id
+        common["root_id"] = parent.request.root_id or parent.request.id
+    common["add_to_parent"] = False
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             for number, chunk in enumerate(chunks):
+                if queued and number == halfway:
+                    assert follow_up is not None
+                    follow_up(producer)
                 refs = [c.ref for c in chunk]
-                options: dict[str, Any] = {
-                    "expires": expires,
-                    "producer": producer,
-                    "argsrepr": argsrepr(refs),
-                    "serializer": "json",
-                }
-                if "time_limit" not in annotated:
-                    options["time_limit"] = hard_limit
-                if "soft_time_limit" not in annotated:
-                    options["soft_time_limit"] = soft_limit
-                if number == halfway:
+                options = {**common, "producer": producer, "argsrepr": argsrepr(refs)}
+                if number == marked:
                     options["kwargs"] = {"drain": True}
                 if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)

@@ -98,7 +98,8 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver=deliver,
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
-                drain=more,
+                follow_up=(lambda producer: _send(claim, producer=producer)) if more else None,
+                prefetched=inst.prefetched,
             )
         elif result.capped and int(held_back) < MAX_HELD_BACK_ROUNDS:
             # Backpressure: look again after the deliveries queued meanwhile.
