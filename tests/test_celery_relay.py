@@ -365,6 +365,36 @@ def test_notify_wakes_an_idle_relay_without_beat(recorded_dsn, redis_broker, pro
     assert elapsed < 6.0
 
 
+@pytest.mark.parametrize(
+    ("n", "settings"),
+    [
+        # 10 tasks a round: 4 processes prefetch 16, a whole round at once.
+        (6000, {"chunk_size": 20, "batch_size": 200, "max_in_flight": 400}),
+        # 100 tasks a round: longer than the worker prefetches.
+        (1000, {"chunk_size": 1, "batch_size": 100, "max_in_flight": 150}),
+    ],
+    ids=["short-rounds", "long-rounds"],
+)
+def test_a_drain_under_the_cap_goes_on_without_beat(
+    recorded_dsn, redis_broker, procs_factory, n, settings
+):
+    # No beat: the NOTIFY at commit starts one claim, and the drain must
+    # carry itself to the end through the in-flight cap. (A next claim that
+    # ran from the prefetch while its round was still leased found the cap
+    # reached and ended the drain; the rest waited for beat's tick.)
+    procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds=3600, **settings)
+    worker = procs.worker(concurrency=4)
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    with psycopg.connect(recorded_dsn) as conn:
+        ids = outbox_relay.enqueue_many(
+            conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(n)]
+        )
+        conn.commit()
+    wait_for(lambda: all_done(recorded_dsn, n), timeout=180, what=f"{n} messages done")
+    assert counts(recorded_dsn) == {"done": n}
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+
+
 def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_factory):
     procs = procs_factory(recorded_dsn, redis_broker, publish_timeout_seconds=30, lease_seconds=20)
     worker = procs.worker(ready=False)

@@ -91,6 +91,7 @@ def fan_out(
     annotated: dict[str, Any],
     follow_up: Callable[[Any], None] | None = None,
     prefetched: int = 0,
+    capped: bool = False,
 ) -> None:
     """Send the delivery tasks, and with them the drain's next claim (``follow_up``).
 
@@ -108,14 +109,18 @@ def fan_out(
       run at once, find the cap reached, and after a few empty rounds stop
       the drain until beat's next tick (seen as 4 s stalls every 5 s). The
       delivery task halfway through sends the claim as it starts instead.
-      If that one task is lost, beat's tick starts the drain again.
+      If that one task is lost, beat's tick starts the drain again;
+    * a round the in-flight cap cut short (``capped``): only finished rows
+      make room, so the delivery task halfway through sends the claim once
+      its own rows are finished.
     """
     size = settings.chunk_size
     chunks = chunked(claimed, size)
     halfway = len(chunks) // 2
     window = prefetched or 4 * (os.cpu_count() or 1)  # Celery's default multiplier
-    queued = follow_up is not None and len(chunks) > 2 * window
+    queued = follow_up is not None and not capped and len(chunks) > 2 * window
     marked = halfway if follow_up is not None and not queued else -1
+    drain = "end" if capped else "start"
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
     common: dict[str, Any] = {"expires": expires, "serializer": "json"}
@@ -140,7 +145,7 @@ def fan_out(
                 refs = [c.ref for c in chunk]
                 options = {**common, "producer": producer, "argsrepr": argsrepr(refs)}
                 if number == marked:
-                    options["kwargs"] = {"drain": True}
+                    options["kwargs"] = {"drain": drain}
                 if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
                 else:
