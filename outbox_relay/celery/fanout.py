@@ -110,17 +110,22 @@ def fan_out(
       the drain until beat's next tick (seen as 4 s stalls every 5 s). The
       delivery task halfway through sends the claim as it starts instead.
       If that one task is lost, beat's tick starts the drain again;
-    * a round the in-flight cap cut short (``capped``): only finished rows
+    * a round the in-flight cap cut short (``capped``), or a cap too tight
+      for two whole batches (OUTBOX_MAX_IN_FLIGHT < 2 x OUTBOX_BATCH_SIZE,
+      as with the defaults' 1000 and a batch of 1000): only finished rows
       make room, so the delivery task halfway through sends the claim once
-      its own rows are finished.
+      its own rows are finished (sent as it starts, the claim found no room
+      and waited for a held-back round: 4 s pauses with chunks of 500).
     """
     size = settings.chunk_size
     chunks = chunked(claimed, size)
     halfway = len(chunks) // 2
     window = prefetched or 4 * (os.cpu_count() or 1)  # Celery's default multiplier
-    queued = follow_up is not None and not capped and len(chunks) > 2 * window
+    cap = settings.max_in_flight
+    tight = capped or (cap is not None and cap < 2 * settings.batch_size)
+    queued = follow_up is not None and not tight and len(chunks) > 2 * window
     marked = halfway if follow_up is not None and not queued else -1
-    drain = "end" if capped else "start"
+    drain = "end" if tight else "start"
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
     common: dict[str, Any] = {"expires": expires, "serializer": "json"}
