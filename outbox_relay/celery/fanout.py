@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import Settings
@@ -22,7 +23,7 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
 from .options import time_limits
 
-__all__ = ["argsrepr", "chunked", "fan_out", "release"]
+__all__ = ["DrainPlan", "argsrepr", "chunked", "drain_plan", "fan_out", "release"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -67,6 +68,31 @@ def chunked(claimed: Sequence[Claimed], size: int) -> list[list[Claimed]]:
     if current:
         chunks.append(current)
     return chunks
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    """Where a round's next claim goes: queued as a task of its own just before
+    delivery task ``queued_at``, or sent by delivery task ``marked`` as it
+    starts (``when="start"``) or once its rows are finished (``"end"``)."""
+
+    queued_at: int = -1
+    marked: int = -1
+    when: str = "start"
+
+
+def drain_plan(tasks: int, *, prefetched: int, tight: bool) -> DrainPlan:
+    """The placement ``fan_out`` explains, for a round of ``tasks`` delivery tasks.
+
+    ``prefetched``: what one worker takes from the queue ahead of time (0:
+    unknown, Celery's default multiplier of 4 per CPU is assumed); ``tight``:
+    only finished rows make room for the next claim.
+    """
+    halfway = tasks // 2
+    window = prefetched or 4 * (os.cpu_count() or 1)
+    if not tight and tasks > 2 * window:
+        return DrainPlan(queued_at=halfway)
+    return DrainPlan(marked=halfway, when="end" if tight else "start")
 
 
 def _batched(producer: Any) -> AbstractContextManager[Any]:
@@ -119,13 +145,11 @@ def fan_out(
     """
     size = settings.chunk_size
     chunks = chunked(claimed, size)
-    halfway = len(chunks) // 2
-    window = prefetched or 4 * (os.cpu_count() or 1)  # Celery's default multiplier
     cap = settings.max_in_flight
     tight = capped or (cap is not None and cap < 2 * settings.batch_size)
-    queued = follow_up is not None and not tight and len(chunks) > 2 * window
-    marked = halfway if follow_up is not None and not queued else -1
-    drain = "end" if tight else "start"
+    plan = drain_plan(len(chunks), prefetched=prefetched, tight=tight)
+    if follow_up is None:
+        plan = DrainPlan()
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
     common: dict[str, Any] = {"expires": expires, "serializer": "json"}
@@ -144,13 +168,13 @@ def fan_out(
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             for number, chunk in enumerate(chunks):
-                if queued and number == halfway:
+                if number == plan.queued_at:
                     assert follow_up is not None
                     follow_up(producer)
                 refs = [c.ref for c in chunk]
                 options = {**common, "producer": producer, "argsrepr": argsrepr(refs)}
-                if number == marked:
-                    options["kwargs"] = {"drain": drain}
+                if number == plan.marked:
+                    options["kwargs"] = {"drain": plan.when}
                 if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
                 else:
