@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-store lint typecheck demo bench model clean
+.PHONY: venv test test-store lint typecheck demo bench bench-quick model clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,11 @@ demo: venv
 bench: venv
 	$(BIN)/pip install --quiet -e ".[dev,bench]"
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
+
+# The same scenarios at small sizes, one round (a smoke test: prints the
+# table, asserts nothing about speed); writes benchmarks/results/quick.md.
+bench-quick: venv
+	$(BIN)/python -m benchmarks.run --quick $(BENCH_ARGS)
 
 # The protocol model (model/relay.pml) checked with Spin, about a minute;
 # needs spin and gcc (apt-get install -y spin gcc). See docs/model.md.

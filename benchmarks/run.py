@@ -1,37 +1,38 @@
-"""Side-by-side throughput and latency figures, measured in one run.
+"""Side-by-side throughput, latency and cost figures, measured in one run.
 
     make bench                       # or: .venv/bin/python -m benchmarks.run
-    .venv/bin/python -m benchmarks.run --messages 5000 --only ceiling,per-message
+    make bench-quick                 # small sizes, one round: a smoke test
+    .venv/bin/python -m benchmarks.run --only chunked,loops --rounds 3
 
 The machine is shared and noisy, so every figure that matters is a ratio of
-two scenarios measured minutes apart in the same run, on the same database
-server, broker and pool. Scenarios:
+scenarios measured in the same run, on the same database server, broker and
+pool, in alternating rounds (each round runs every scenario once; a figure is
+the median of its rounds). Scenarios, as a user configures them:
 
-* ceiling: a Celery task that does nothing, and one that does one
-  PostgreSQL UPDATE and commit; both pre-queued, same broker, same pool.
-* per-message: the relay's default mode (one ``deliver`` task per message),
-  no-op publisher, claims fanned out by the relay itself.
-* chunked: ``deliver_batch`` tasks of ``--chunk`` messages, with a no-op
-  publisher and with one that waits 20 ms.
-* loops: the articles' literal loop and ``dispatch_once``, in ``--loop-procs``
-  processes, with the same two publishers.
-* pgqueuer: the pgqueuer job queue draining the same number of pre-queued
-  jobs with 4 consumer processes, a no-op job and one that waits 20 ms
-  (``benchmarks/pgqueuer_bench.py``; needs the ``bench`` extra).
-* durable: ``DurableTask``s doing the ceiling's UPDATE through
-  ``self.outbox_conn`` (with their fenced done), claimed and sent by the
-  relay on the same pool, against the pre-queued plain UPDATE task.
-* latency: commit-to-publish p50/p99 for messages enqueued one by one while
-  the relay idles, with LISTEN/NOTIFY and with polling only.
-* canvas: ``--canvas-messages`` business transactions each sending a no-op
-  Celery task, into one worker: ``outbox_relay.apply_async`` in the
-  transaction and relayed (per-message, and chunked ``--chunk``), against
-  ``sig.apply_async()`` right after each commit (the on_commit style). Also
-  the producer's transactions per second for each.
+* chunked: ``celery worker -P prefork -c PROCS`` and ``celery beat`` of the
+  standalone app, ``OUTBOX_CHUNK_SIZE`` 20, 50, 200 and 500 with
+  ``OUTBOX_BATCH_SIZE`` 500 (1000 for chunks of 500), everything else at its
+  default; a no-op publisher, and (chunks of 50) one that waits 20 ms.
+* per-message: the default mode (one ``deliver`` task per message).
+* ceiling: plain Celery tasks pre-queued on the same broker and pool, one
+  that does nothing and one that does one PostgreSQL UPDATE and commit.
+* loops: the articles' literal loop in ``--loop-procs`` processes; and the
+  batched-update limit of this PostgreSQL (``UPDATE ... FROM unnest(...)``
+  of 500 ids per statement, same number of processes), for the moonshot.
+* pgqueuer: its job queue draining the same number of jobs with the same
+  number of consumer processes, no-op jobs and 20 ms jobs.
+* latency: commit-to-publish p50/p99 for messages committed one at a time
+  while the relay is idle, and at a steady rate of half the measured
+  chunked maximum, with LISTEN/NOTIFY; and idle with polling only.
 
-Throughput is messages per second from the first message leaving ``pending``
-(or the first task consumed) to the last one done. Results go to stdout and
-to ``benchmarks/results/latest.md``.
+Relay and loop rates are by the database's clock: from the commit of all the
+messages in one transaction (the relay already running and idle) to the last
+``done_at``. Round trips and statements are counted by the driver in every
+process that talks to the bench database (``benchmarks/counting.py``);
+transactions by the server (``pg_stat_database.xact_commit``, the probe's
+own subtracted). Worker RSS (all its processes) and the bench database's
+connections are sampled while the relay runs. Results go to stdout and to
+``benchmarks/results/latest.md``.
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +58,12 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 import outbox_relay
+from outbox_relay.table import OutboxTable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import counting  # noqa: E402
 from tests.celery_procs import CeleryProcs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -118,15 +123,22 @@ def database(admin_dsn: str) -> Iterator[str]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def fill_outbox(dsn: str, n: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
+def commit_outbox(dsn: str, n: int) -> datetime:
+    """Commit ``n`` messages in one transaction (with the producer's NOTIFY);
+    return the database's clock just after the commit."""
+    with psycopg.connect(dsn) as conn:
         conn.execute(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
             " SELECT 'order', g::text, 'order.created', jsonb_build_object('order', g)"
             " FROM generate_series(1, %s) AS g",
             (n,),
         )
-        conn.execute("VACUUM ANALYZE outbox")
+        conn.execute("SELECT pg_notify(%s, '')", (OutboxTable.parse(None).channel,))
+        conn.commit()
+        row = conn.execute("SELECT clock_timestamp()").fetchone()
+        conn.commit()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------ measuring
@@ -136,31 +148,24 @@ class Figure:
     messages: int
     seconds: float
     note: str = ""
+    # Per delivered message, when counted (statements are round trips: no
+    # pipeline mode anywhere).
+    statements: float | None = None
+    transactions: float | None = None
+    rss_mb: tuple[float, float] | None = None  # (first sample, last sample)
+    rss_peak_mb: float | None = None
+    connections_peak: int | None = None
+    pause: float | None = None  # the longest gap between two done_at, seconds
+    cpu_us: float | None = None  # CPU microseconds per message, relay/loop + its backends
+    cpu_split: str = ""  # the same by process group
 
     @property
     def rate(self) -> float:
         return self.messages / self.seconds if self.seconds else 0.0
 
 
-def wait_progress(
-    started: Callable[[], bool], finished: Callable[[], bool], *, timeout: float, poll: float = 0.02
-) -> float:
-    """Seconds from the first sign of work to completion."""
-    deadline = time.monotonic() + timeout
-    while not started():
-        if time.monotonic() > deadline:
-            raise TimeoutError("work never started")
-        time.sleep(poll)
-    t0 = time.monotonic()
-    while not finished():
-        if time.monotonic() > deadline:
-            raise TimeoutError("work did not finish in time")
-        time.sleep(poll)
-    return time.monotonic() - t0
-
-
-class Progress:
-    """Cheap progress probes on one open connection.
+class Probe:
+    """Progress, the server's transaction counter and samples, on one connection.
 
     Opening a connection per poll would fork a PostgreSQL backend dozens of
     times a second, stealing CPU from the very thing being measured.
@@ -168,624 +173,863 @@ class Progress:
 
     def __init__(self, dsn: str) -> None:
         self.conn = psycopg.connect(dsn, autocommit=True)
+        self.queries = 0
 
-    def _one(self, query: str) -> Any:
-        row = self.conn.execute(query).fetchone()
+    def one(self, query: str, params: tuple[Any, ...] = ()) -> Any:
+        self.queries += 1
+        row = self.conn.execute(query, params).fetchone()
         assert row is not None
         return row[0]
 
-    def started(self) -> bool:
-        # Walks the leased index only; done rows are found through ix_done.
-        return bool(
-            self._one(
-                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
-                " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'done')"
-            )
-        )
-
     def finished(self) -> bool:
-        # Nothing pending or processing: both probes use their partial indexes.
-        return not self._one(
+        # Nothing pending or processing: both probes walk small partial
+        # indexes. (Counting done rows at every poll costs the server more
+        # and more as they pile up, CPU the relay then lacks.)
+        return not self.one(
             "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'pending')"
             " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
         )
 
-    def done(self) -> int:
-        return int(self._one("SELECT count(*) FROM outbox WHERE status = 'done'"))
+    def done_after(self, first_id: int) -> int:
+        # Through ix_done (partial on done rows), not a scan of the table.
+        return int(
+            self.one("SELECT count(*) FROM outbox WHERE status = 'done' AND id > %s", (first_id,))
+        )
+
+    def last_id(self) -> int:
+        return int(self.one("SELECT coalesce(max(id), 0) FROM outbox"))
+
+    def longest_pause(self, first_id: int) -> float:
+        """The longest time between two consecutive ``done_at`` (a drain that stalls)."""
+        value = self.one(
+            "SELECT extract(epoch FROM max(gap))::float8 FROM ("
+            " SELECT done_at - lag(done_at) OVER (ORDER BY done_at) AS gap"
+            " FROM outbox WHERE id > %s) AS g",
+            (first_id,),
+        )
+        return float(value or 0.0)
+
+    def last_done_at(self) -> datetime:
+        return self.one("SELECT max(done_at) FROM outbox")  # type: ignore[no-any-return]
+
+    def xacts(self) -> int:
+        # The probe's own statements are transactions too: subtract them.
+        return int(
+            self.one(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database"
+                " WHERE datname = current_database()"
+            )
+        )
+
+    def connections(self) -> int:
+        return (
+            int(
+                self.one("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")
+            )
+            - 1
+        )  # not the probe itself
 
     def close(self) -> None:
         self.conn.close()
 
 
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, 0 if it is gone."""
+    import psutil
+
+    with suppress(psutil.Error):
+        t = psutil.Process(pid).cpu_times()
+        return float(t.user + t.system)
+    return 0.0
+
+
+class CpuMeter:
+    """CPU seconds used by groups of processes and by the bench database's
+    backends: a cost per message that the machine's other load inflates far
+    less than it does wall-clock rates (the machine is shared)."""
+
+    def __init__(self, probe: Probe, groups: dict[str, Callable[[], list[int]]]) -> None:
+        self.probe = probe
+        self.groups = groups
+        self.group: dict[int, str] = {}
+        self.start: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def _backends(self) -> list[int]:
+        rows = self.probe.conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()"
+        ).fetchall()
+        self.probe.queries += 1
+        return [int(r[0]) for r in rows]
+
+    def _pids(self) -> list[tuple[str, int]]:
+        found = [(name, pid) for name, pids in self.groups.items() for pid in pids()]
+        return found + [("postgres", pid) for pid in self._backends()]
+
+    def begin(self) -> None:
+        for name, pid in self._pids():
+            self.group[pid] = name
+            self.start[pid] = self.last[pid] = _proc_cpu(pid)
+
+    def sample(self) -> None:
+        for name, pid in self._pids():
+            if pid not in self.start:
+                # Started during the window (a new connection): from zero.
+                self.group[pid] = name
+                self.start[pid] = 0.0
+            used = _proc_cpu(pid)
+            if used:
+                self.last[pid] = used
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds in the window by group (a process gone since: its last sample)."""
+        self.sample()
+        used: dict[str, float] = {}
+        for pid, start in self.start.items():
+            name = self.group[pid]
+            used[name] = used.get(name, 0.0) + max(0.0, self.last.get(pid, 0.0) - start)
+        return used
+
+    def charge(self, figure: Figure) -> None:
+        """Write CPU per message onto ``figure``: the total and its split."""
+        used = self.seconds()
+        figure.cpu_us = sum(used.values()) / figure.messages * 1e6
+        figure.cpu_split = ", ".join(
+            f"{name} {seconds / figure.messages * 1e6:.0f}" for name, seconds in used.items()
+        )
+
+
+def _worker_groups(pid: int) -> dict[str, Callable[[], list[int]]]:
+    """A Celery worker's main process, and its pool children."""
+    return {"worker main": lambda: [pid], "pool": lambda: _tree_pids(pid)[1:]}
+
+
+def _tree_pids(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root.pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children (a worker and its pool)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for p in procs:
+        with suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total / 2**20
+
+
+@dataclass
+class Costs:
+    """Counters before a measured window, and what changed over it."""
+
+    probe: Probe
+    counts: Path | None
+    xacts: int = 0
+    probe_queries: int = 0
+    driver: dict[str, int] = field(default_factory=dict)
+
+    def start(self) -> None:
+        time.sleep(0.5)  # let the counters' files catch up with the idle relay
+        self.driver = counting.totals(self.counts) if self.counts else {}
+        self.probe_queries = self.probe.queries
+        self.xacts = self.probe.xacts()
+
+    def finish(self, figure: Figure) -> Figure:
+        time.sleep(0.5)
+        xacts = self.probe.xacts() - self.xacts - (self.probe.queries - self.probe_queries)
+        figure.transactions = xacts / figure.messages
+        if self.counts:
+            after = counting.totals(self.counts)
+            figure.statements = (after["statements"] - self.driver["statements"]) / figure.messages
+        return figure
+
+
 def celery_env(dsn: str, broker: str, **settings: Any) -> dict[str, str]:
-    env = {
-        "OUTBOX_DSN": dsn,
-        "BENCH_DSN": dsn,
-        "CELERY_BROKER_URL": broker,
-        "OUTBOX_CLAIM_INTERVAL_SECONDS": "2",
-    }
+    env = {"OUTBOX_DSN": dsn, "BENCH_DSN": dsn, "CELERY_BROKER_URL": broker}
     env.update({f"OUTBOX_{k.upper()}": str(v) for k, v in settings.items()})
     return env
 
 
+@dataclass
+class Bench:
+    admin: str
+    broker: str
+    procs: int
+    loop_procs: int
+    deadline: float = 900.0
+
+
 # ------------------------------------------------------------------ scenarios
-def ceiling(admin: str, broker: str, n: int, procs: int, kind: str) -> Figure:
+def ceiling(b: Bench, n: int, kind: str) -> Figure:
     """Pre-queued plain Celery tasks: the most the broker and pool allow."""
     from benchmarks.baseline_app import app
 
-    with database(admin) as dsn:
+    with database(b.admin) as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY, done bool DEFAULT false)")
             conn.execute("INSERT INTO bench_items SELECT g FROM generate_series(1, %s) g", (n,))
-        client = redis_client(broker)
+        client = redis_client(b.broker)
         client.delete("baseline")
-        app.conf.broker_url = broker
+        app.conf.broker_url = b.broker
         task = app.tasks[f"bench.{kind}"]
         with app.producer_or_acquire() as producer, producer.batch():
             for i in range(1, n + 1):
                 task.apply_async((i,), producer=producer, queue="baseline")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        runner = CeleryProcs(celery_env(dsn, broker), folder, app="benchmarks.baseline_app")
+        runner = CeleryProcs(celery_env(dsn, b.broker), folder, app="benchmarks.baseline_app")
+        probe = Probe(dsn)
         try:
-            runner.worker(
-                concurrency=procs,
+            worker = runner.worker(
+                concurrency=b.procs,
                 ready=False,
                 events=False,
                 args=("-l", "warning", "-Q", "baseline"),
             )
-
-            def consumed() -> bool:
-                return int(client.llen("baseline")) < n
-
-            probe = psycopg.connect(dsn, autocommit=True)  # one connection for all polls
-
-            def finished() -> bool:
+            deadline = time.monotonic() + b.deadline
+            while int(client.llen("baseline")) >= n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("baseline tasks never started")
+                time.sleep(0.02)
+            # From the first task taken: the worker's start-up is not counted.
+            cpu = CpuMeter(probe, _worker_groups(worker.popen.pid))
+            cpu.begin()
+            t0 = time.monotonic()
+            while True:
                 if kind == "update":
-                    row = probe.execute(
-                        "SELECT NOT EXISTS (SELECT 1 FROM bench_items WHERE NOT done)"
-                    ).fetchone()
-                    return bool(row and row[0])
-                return client.llen("baseline") == 0 and client.hlen("unacked") == 0
-
-            try:
-                seconds = wait_progress(consumed, finished, timeout=600, poll=0.05)
-            finally:
-                probe.close()
+                    finished = bool(
+                        probe.one("SELECT NOT EXISTS (SELECT 1 FROM bench_items WHERE NOT done)")
+                    )
+                else:
+                    finished = client.llen("baseline") == 0 and client.hlen("unacked") == 0
+                if finished:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("baseline tasks did not finish")
+                time.sleep(0.02)
+            seconds = time.monotonic() - t0
+            figure = Figure(f"celery {kind} task x{b.procs} (pre-queued)", n, seconds)
+            cpu.charge(figure)
         finally:
+            probe.close()
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
-    return Figure(f"celery {kind} task (pre-queued)", n, seconds)
+    return figure
+
+
+def _warm_up(dsn: str, probe: Probe, worker: Any, name: str, timeout: float = 60.0) -> None:
+    """One message through the relay: the worker is up, its pool and publisher built."""
+    with psycopg.connect(dsn) as conn:
+        outbox_relay.enqueue(
+            conn, aggregate_type="warm", aggregate_id="0", event_type="warm.up", payload={}
+        )
+        conn.commit()
+    deadline = time.monotonic() + timeout
+    while probe.done_after(0) < 1:
+        if not worker.alive():
+            raise RuntimeError(f"{name}: worker exited:\n{worker.text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{name}: the warm-up message was not delivered:\n{worker.text()[-3000:]}"
+            )
+        time.sleep(0.1)
 
 
 def relay(
-    admin: str,
-    broker: str,
+    b: Bench,
     n: int,
-    procs: int,
     *,
-    chunk: int,
-    publisher: str,
     name: str,
+    chunk: int,
+    publisher: str = "noop",
+    env_extra: dict[str, str] | None = None,
     **settings: Any,
 ) -> Figure:
-    with database(admin) as dsn:
-        fill_outbox(dsn, n)
-        redis_client(broker).delete("outbox")
+    """The relay as the docs start it: worker + beat, then ``n`` rows in one commit."""
+    with database(b.admin) as dsn:
+        redis_client(b.broker).delete("outbox")
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        counts = folder / "counts"
         env = celery_env(
             dsn,
-            broker,
+            b.broker,
             publisher=f"benchmarks.publishers:{publisher}",
             chunk_size=chunk,
             **settings,
         )
-        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        runner = CeleryProcs(env, folder)
+        env["BENCH_COUNT_DIR"] = str(counts)
+        env.update(env_extra or {})
+        runner = CeleryProcs(env, folder, app="benchmarks.relay_app")
+        probe = Probe(dsn)
         try:
-            # The worker's LISTEN step claims once at start; the relay drains
-            # the backlog from there by itself (no beat needed).
             worker = runner.worker(
-                concurrency=procs, ready=False, events=False, args=("-l", "warning")
+                concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
             )
-
-            progress = Progress(dsn)
-
-            def started() -> bool:
+            runner.beat()
+            _warm_up(dsn, probe, worker, name)
+            first = probe.last_id()
+            costs = Costs(probe, counts)
+            costs.start()
+            cpu = CpuMeter(probe, _worker_groups(worker.popen.pid))
+            cpu.begin()
+            rss: list[float] = []
+            conns: list[int] = []
+            committed = commit_outbox(dsn, n)
+            deadline = time.monotonic() + b.deadline
+            next_sample = 0.0
+            while not probe.finished():
                 if not worker.alive():
-                    raise RuntimeError(f"{name}: worker exited:\n{worker.text()[-2000:]}")
-                return progress.started()
-
-            try:
-                seconds = wait_progress(started, progress.finished, timeout=900, poll=0.05)
-                if progress.done() != n:
-                    raise RuntimeError(f"{name}: only {progress.done()} of {n} done")
-            finally:
-                progress.close()
+                    raise RuntimeError(f"{name}: worker exited:\n{worker.text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: {probe.done_after(first)} of {n} done in time")
+                if time.monotonic() >= next_sample:
+                    rss.append(tree_rss_mb(worker.popen.pid))
+                    conns.append(probe.connections())
+                    cpu.sample()
+                    next_sample = time.monotonic() + 0.5
+                time.sleep(0.05)
+            done = probe.done_after(first)
+            if done != n:
+                raise RuntimeError(f"{name}: {done} of {n} done (the rest dead?)")
+            seconds = (probe.last_done_at() - committed).total_seconds()
+            figure = costs.finish(Figure(name, n, seconds))
+            cpu.charge(figure)
+            figure.pause = probe.longest_pause(first)
+            if rss:
+                figure.rss_mb = (rss[0], rss[-1])
+                figure.rss_peak_mb = max(rss)
+                figure.connections_peak = max(conns)
         finally:
+            probe.close()
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
+    return figure
+
+
+def _loop_entry(kind: str, dsn: str, publisher: str, go: Any, counts: str) -> None:
+    from benchmarks import loops
+
+    counting.install(counts)
+    go.wait()
+    getattr(loops, kind)(dsn, publisher)
+    time.sleep(0.5)  # the counter's file catches up
+
+
+def loop(b: Bench, n: int, *, kind: str, name: str, publisher: str = "noop") -> Figure:
+    """``--loop-procs`` processes of a plain loop, started before the commit."""
+    with database(b.admin) as dsn:
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        counts = folder / "counts"
+        ctx = multiprocessing.get_context("spawn")
+        go = ctx.Event()
+        workers = [
+            ctx.Process(target=_loop_entry, args=(kind, dsn, publisher, go, str(counts)))
+            for _ in range(b.loop_procs)
+        ]
+        probe = Probe(dsn)
+        try:
+            for w in workers:
+                w.start()
+            time.sleep(2.0)  # imports done: they wait on ``go``
+            costs = Costs(probe, None)
+            costs.start()
+            cpu = CpuMeter(probe, {"loops": lambda: [w.pid for w in workers if w.pid]})
+            cpu.begin()
+            committed = commit_outbox(dsn, n)
+            go.set()
+            while any(w.is_alive() for w in workers):
+                cpu.sample()
+                time.sleep(0.2)
+            for w in workers:
+                w.join()
+            if any(w.exitcode for w in workers):
+                raise RuntimeError(f"{name}: a loop process failed")
+            done = probe.done_after(0)
+            if done != n:
+                raise RuntimeError(f"{name}: only {done} of {n} done")
+            seconds = (probe.last_done_at() - committed).total_seconds()
+            figure = costs.finish(Figure(name, n, seconds))
+            cpu.charge(figure)
+            driver = counting.totals(counts)
+            figure.statements = driver["statements"] / n
+        finally:
+            probe.close()
+            for w in workers:
+                if w.is_alive():
+                    w.terminate()
+            shutil.rmtree(folder, ignore_errors=True)
+    return figure
+
+
+def pgqueuer_drain(b: Bench, n: int, *, wait_seconds: float, name: str) -> Figure:
+    from benchmarks.pgqueuer_bench import drain
+
+    with database(b.admin) as dsn:
+        seconds = drain(dsn, n, b.loop_procs, wait_seconds)
     return Figure(name, n, seconds)
 
 
-def _loop_entry(kind: str, dsn: str, publisher: str) -> None:
-    from benchmarks import loops
+def latency(
+    b: Bench,
+    *,
+    name: str,
+    messages: int,
+    rate: float,
+    listen: bool = True,
+    interval: float = 5.0,
+    chunk: int = 50,
+) -> Figure:
+    """Commit-to-publish latency of messages committed one by one at ``rate`` per second."""
+    with database(b.admin) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench_latency (id bigint PRIMARY KEY, seconds float8)")
+        redis_client(b.broker).delete("outbox")
+        env = celery_env(
+            dsn,
+            b.broker,
+            publisher="benchmarks.publishers:record_latency",
+            listen="true" if listen else "false",
+            claim_interval_seconds=interval,
+            chunk_size=chunk,
+            batch_size=500,
+        )
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        runner = CeleryProcs(env, folder)
+        probe = Probe(dsn)
+        try:
+            worker = runner.worker(
+                concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
+            )
+            runner.beat()
+            _warm_up(dsn, probe, worker, name)
+            _produce_at(dsn, messages, rate)
+            deadline = time.monotonic() + 120
+            while probe.one("SELECT count(*) FROM bench_latency") < messages + 1:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            values = sorted(
+                r[0] for r in probe.conn.execute("SELECT seconds FROM bench_latency WHERE id > 1")
+            )
+        finally:
+            probe.close()
+            runner.stop_all()
+            shutil.rmtree(folder, ignore_errors=True)
+    if not values:
+        return Figure(name, 0, 0.0, note="nothing delivered")
+    p50 = statistics.median(values)
+    p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
+    return Figure(name, len(values), 0.0, note=f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
 
-    getattr(loops, kind)(dsn, publisher)
+
+def _produce_at(dsn: str, messages: int, rate: float) -> None:
+    """Commit one message per transaction, paced to ``rate`` per second, from
+    enough threads that the producers themselves keep up."""
+    threads = max(1, min(8, int(rate // 200) + 1))
+    per_thread = rate / threads
+    share = [messages // threads + (1 if i < messages % threads else 0) for i in range(threads)]
+
+    def produce(count: int, offset: int) -> None:
+        with psycopg.connect(dsn) as conn:
+            start = time.monotonic()
+            for i in range(count):
+                due = start + i / per_thread
+                pause = due - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                outbox_relay.enqueue(
+                    conn,
+                    aggregate_type="order",
+                    aggregate_id=str(offset + i),
+                    event_type="order.created",
+                    payload={"i": offset + i},
+                )
+                conn.commit()
+
+    workers = [
+        threading.Thread(target=produce, args=(count, sum(share[:i])))
+        for i, count in enumerate(share)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
 
 
-def loop(admin: str, n: int, procs: int, *, kind: str, publisher: str, name: str) -> Figure:
-    with database(admin) as dsn:
-        fill_outbox(dsn, n)
+def unnest_limit(b: Bench, n: int, *, name: str, batch: int = 500) -> Figure:
+    """What this PostgreSQL does in batched single-row updates: ``--loop-procs``
+    processes each UPDATE ... FROM unnest(ids) of ``batch`` ids and commit."""
+    with database(b.admin) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench_rows (id bigint PRIMARY KEY, done_at timestamptz)")
+            conn.execute("INSERT INTO bench_rows (id) SELECT g FROM generate_series(1, %s) g", (n,))
         ctx = multiprocessing.get_context("spawn")
-        workers = [
-            ctx.Process(target=_loop_entry, args=(kind, dsn, publisher)) for _ in range(procs)
-        ]
+        parts = [list(range(i + 1, n + 1, b.loop_procs)) for i in range(b.loop_procs)]
+        workers = [ctx.Process(target=_unnest_entry, args=(dsn, part, batch)) for part in parts]
         t0 = time.monotonic()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
-        seconds = time.monotonic() - t0
-        progress = Progress(dsn)
-        done = progress.done()
-        progress.close()
-        if done != n:
-            raise RuntimeError(f"{name}: only {done} of {n} done")
-    return Figure(name, n, seconds)
-
-
-def pgqueuer_drain(admin: str, n: int, consumers: int, *, wait_seconds: float, name: str) -> Figure:
-    from benchmarks.pgqueuer_bench import drain
-
-    with database(admin) as dsn:
-        seconds = drain(dsn, n, consumers, wait_seconds)
-    return Figure(name, n, seconds)
-
-
-def latency(admin: str, broker: str, *, listen: bool, messages: int, interval: float) -> Figure:
-    with database(admin) as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE bench_latency (id bigint PRIMARY KEY, seconds float8)")
-        redis_client(broker).delete("outbox")
-        env = celery_env(
-            dsn,
-            broker,
-            publisher="benchmarks.publishers:record_latency",
-            listen="true" if listen else "false",
-            claim_interval_seconds=interval,
-        )
-        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        runner = CeleryProcs(env, folder)
-        try:
-            runner.worker(concurrency=2, events=False, args=("-l", "info"))
-            runner.beat()
-            time.sleep(2.0)  # let the relay go idle
-            with psycopg.connect(dsn) as conn:
-                for i in range(messages):
-                    with conn.transaction():
-                        outbox_relay.enqueue(
-                            conn,
-                            aggregate_type="order",
-                            aggregate_id=str(i),
-                            event_type="order.created",
-                            payload={"i": i},
-                        )
-                    time.sleep(0.05)
-
-            def count() -> int:
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    row = conn.execute("SELECT count(*) FROM bench_latency").fetchone()
-                return int(row[0]) if row else 0
-
-            deadline = time.monotonic() + 60
-            while count() < messages and time.monotonic() < deadline:
-                time.sleep(0.1)
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                values = sorted(r[0] for r in conn.execute("SELECT seconds FROM bench_latency"))
-        finally:
-            runner.stop_all()
-            shutil.rmtree(folder, ignore_errors=True)
-    p50 = statistics.median(values)
-    p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
-    mode = "LISTEN/NOTIFY" if listen else "polling only"
-    return Figure(
-        f"latency, {mode} (poll every {interval:g}s)",
-        len(values),
-        0.0,
-        note=f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms",
-    )
+            row = conn.execute(
+                "SELECT min(done_at), max(done_at), count(done_at) FROM bench_rows"
+            ).fetchone()
+        assert row is not None and row[2] == n, "not every row was updated"
+        seconds = (row[1] - row[0]).total_seconds() or (time.monotonic() - t0)
+    return Figure(name, n, seconds)
 
 
-def fill_durable(dsn: str, n: int) -> None:
-    """``n`` durable task rows, as ``write_durable`` writes them (in one statement)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY, done bool DEFAULT false)")
-        conn.execute("INSERT INTO bench_items SELECT g FROM generate_series(1, %s) g", (n,))
-        conn.execute(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
-            " SELECT 'celery.task', 'bench.durable_update', 'celery.durable',"
-            " jsonb_build_object('task', 'bench.durable_update', 'id', gen_random_uuid()::text,"
-            " 'args', jsonb_build_array(g), 'kwargs', '{}'::jsonb, 'options', '{}'::jsonb,"
-            " 'chain', '[]'::jsonb, 'track', true)"
-            " FROM generate_series(1, %s) AS g",
-            (n,),
-        )
-        conn.execute("VACUUM ANALYZE outbox")
-
-
-def durable(admin: str, broker: str, n: int, procs: int, *, in_flight: int) -> Figure:
-    """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool.
-
-    With beat, as in production: the in-flight cap (``in_flight``) bounds
-    how many tasks wait in the queue; sized so that they run within their
-    lease, or they expire there and are sent again a lease later.
-    """
-    with database(admin) as dsn:
-        fill_durable(dsn, n)
-        client = redis_client(broker)
-        client.delete("outbox", "bench-durable")
-        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        env = celery_env(dsn, broker, max_in_flight=in_flight)
-        runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
-        try:
-            runner.beat()
-            worker = runner.worker(
-                concurrency=procs, ready=False, events=False, args=("-l", "warning")
+def _unnest_entry(dsn: str, ids: list[int], batch: int) -> None:
+    with psycopg.connect(dsn) as conn:
+        for start in range(0, len(ids), batch):
+            conn.execute(
+                "UPDATE bench_rows AS r SET done_at = clock_timestamp()"
+                " FROM unnest(%s::bigint[]) AS v(id) WHERE r.id = v.id",
+                (ids[start : start + batch],),
             )
-            progress = Progress(dsn)
-
-            def started() -> bool:
-                if not worker.alive():
-                    raise RuntimeError(f"durable: worker exited:\n{worker.text()[-2000:]}")
-                return progress.started()
-
-            try:
-                seconds = wait_progress(started, progress.finished, timeout=900, poll=0.05)
-                if progress.done() != n:
-                    raise RuntimeError(f"durable: only {progress.done()} of {n} done")
-                row = progress.conn.execute(
-                    "SELECT count(*) FROM bench_items WHERE NOT done"
-                ).fetchone()
-                if row is None or row[0]:
-                    raise RuntimeError(f"durable: {row} items without their effect")
-            finally:
-                progress.close()
-        finally:
-            runner.stop_all()
-            shutil.rmtree(folder, ignore_errors=True)
-    return Figure(
-        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}", n, seconds
-    )
+            conn.commit()
 
 
 # ------------------------------------------------------------------ report
-def canvas(admin: str, broker: str, n: int, procs: int, *, outbox: bool, chunk: int = 1) -> Figure:
-    """A no-op task sent from ``n`` business transactions, until a worker ran them all.
-
-    ``outbox``: ``outbox_relay.apply_async`` inside each transaction (written
-    first, then relayed: the figure is the relay's, from the first row
-    claimed to the last task consumed); else the on-commit style,
-    ``sig.apply_async()`` right after each commit, with the worker already
-    consuming (from the first send to the last task consumed).
-    """
-    from benchmarks.canvas_app import app, noop
-
-    app.conf.broker_url = broker
-    client = redis_client(broker)
-    client.delete("bench-canvas", "outbox")
-    with database(admin) as dsn:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY)")
-        write_seconds = 0.0
-        if outbox:
-            t0 = time.monotonic()
-            with psycopg.connect(dsn) as conn:
-                for i in range(1, n + 1):
-                    with conn.transaction():
-                        conn.execute("INSERT INTO bench_items (id) VALUES (%s)", (i,))
-                        app.outbox_relay.outbox.apply_async(conn, noop.s(i))
-            write_seconds = time.monotonic() - t0
-        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        chunked: dict[str, Any] = (
-            {"batch_size": chunk * 4, "max_in_flight": chunk * 16, "publish_concurrency": chunk}
-            if chunk > 1
-            else {}
-        )
-        env = celery_env(dsn, broker, chunk_size=chunk, **chunked)
-        runner = CeleryProcs(env, folder, app="benchmarks.canvas_app")
-        try:
-            worker = runner.worker(
-                concurrency=procs, ready=False, events=False, args=("-l", "warning")
-            )
-            progress = Progress(dsn)
-
-            def consumed_all() -> bool:
-                return client.llen("bench-canvas") == 0 and client.hlen("unacked") == 0
-
-            try:
-                if outbox:
-
-                    def started() -> bool:
-                        if not worker.alive():
-                            raise RuntimeError(f"canvas: worker exited:\n{worker.text()[-2000:]}")
-                        return progress.started()
-
-                    def finished() -> bool:
-                        return progress.finished() and consumed_all()
-
-                    seconds = wait_progress(started, finished, timeout=900, poll=0.05)
-                    if progress.done() != n:
-                        raise RuntimeError(f"canvas: only {progress.done()} of {n} done")
-                else:
-                    # One task first, so that the clock starts with the worker consuming.
-                    noop.apply_async((0,))
-                    wait_progress(lambda: True, consumed_all, timeout=120, poll=0.05)
-                    t0 = time.monotonic()
-                    with psycopg.connect(dsn) as conn:
-                        for i in range(1, n + 1):
-                            with conn.transaction():
-                                conn.execute("INSERT INTO bench_items (id) VALUES (%s)", (i,))
-                            noop.apply_async((i,))  # on_commit: after the commit
-                    write_seconds = time.monotonic() - t0
-                    deadline = time.monotonic() + 900
-                    while not consumed_all() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    seconds = time.monotonic() - t0
-            finally:
-                progress.close()
-        finally:
-            runner.stop_all()
-            shutil.rmtree(folder, ignore_errors=True)
-    if outbox:
-        mode = "per-message" if chunk == 1 else f"chunked ({chunk})"
-        name = f"apply_async via outbox, relayed {mode}, into no-op worker"
-    else:
-        name = "sig.apply_async() after commit (on_commit), into no-op worker"
-    note = (
-        f"{n / seconds:,.0f} tasks/s end to end; producer {n / write_seconds:,.0f} tx/s"
-        if seconds and write_seconds
-        else ""
-    )
-    return Figure(name, n, seconds, note)
-
-
 def ratio(a: Figure | None, b: Figure | None) -> str:
     if a is None or b is None or not b.rate:
         return "n/a"
     return f"{a.rate / b.rate:.2f}x"
 
 
+def median_figure(rounds: list[Figure]) -> Figure:
+    """The round with the median rate (latency rows: the median p99 is not
+    computed across rounds; the middle round's figure stands)."""
+    ordered = sorted(rounds, key=lambda f: f.rate)
+    middle = ordered[len(ordered) // 2]
+    shown = Figure(**{**middle.__dict__})
+    cpu = [f.cpu_us for f in rounds if f.cpu_us is not None]
+    if cpu:
+        shown.cpu_us = statistics.median(cpu)
+    if len(rounds) > 1 and middle.rate:
+        shown.note = " / ".join(f"{f.rate:,.0f}" for f in rounds) + " msg/s by round"
+    return shown
+
+
+def _split(f: Figure) -> str:
+    return f" ({f.cpu_split})" if f.cpu_split else ""
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    quick = os.environ.get("BENCH_QUICK", "") not in ("", "0")
     parser.add_argument(
-        "--messages", type=int, default=20_000, help="per-message relay and Celery ceiling"
+        "--quick", action="store_true", default=quick, help="a smoke test (BENCH_QUICK=1)"
     )
     parser.add_argument(
-        "--bulk-messages",
+        "--messages", type=int, default=None, help="per-message relay and Celery ceiling"
+    )
+    parser.add_argument(
+        "--bulk-messages", type=int, default=None, help="chunked, loops and pgqueuer"
+    )
+    parser.add_argument("--procs", type=int, default=4, help="Celery pool processes (-c)")
+    parser.add_argument(
+        "--loop-procs",
         type=int,
-        default=100_000,
-        help="chunked relay, loops and pgqueuer (fast: more messages, steadier figures)",
+        default=None,
+        help="loop and pgqueuer processes (default: --procs)",
     )
-    parser.add_argument("--procs", type=int, default=2, help="Celery pool processes")
-    parser.add_argument("--loop-procs", type=int, default=4)
-    parser.add_argument("--chunk", type=int, default=200)
+    parser.add_argument(
+        "--chunks", default="20,50,200,500", help="chunk sizes of the chunked group"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="groups: ceiling,per-message,chunked,loops,pgqueuer,latency,durable,canvas",
+    )
     parser.add_argument(
         "--canvas-messages", type=int, default=5_000, help="canvas: business transactions"
     )
     parser.add_argument(
         "--in-flight", type=int, default=1000, help="OUTBOX_MAX_IN_FLIGHT of the durable group"
     )
-    parser.add_argument("--only", default="", help="comma-separated scenario groups")
     args = parser.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if args.quick:
+        n = args.messages or 500
+        bulk = args.bulk_messages or 3_000
+        rounds = args.rounds or 1
+        chunks = [50]
+    else:
+        n = args.messages or 10_000
+        bulk = args.bulk_messages or 60_000
+        rounds = args.rounds or 3
+        chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
 
     def want(group: str) -> bool:
+        if args.quick and not only:
+            return group in ("ceiling", "per-message", "chunked", "loops", "latency")
         return not only or group in only
 
-    n, bulk, procs = args.messages, args.bulk_messages, args.procs
-    figures: dict[str, Figure] = {}
+    results: dict[str, list[Figure]] = {}
     with services() as (admin, broker):
+        b = Bench(admin, broker, args.procs, args.loop_procs or args.procs)
+        load = os.getloadavg()
 
         def record(key: str, figure: Figure) -> None:
-            figures[key] = figure
+            results.setdefault(key, []).append(figure)
             extra = figure.note or f"{figure.rate:,.0f} msg/s"
-            print(f"  {figure.name:<58} {extra}", flush=True)
+            cost = ""
+            if figure.statements is not None:
+                cost = f"  ({figure.statements:.3f} statements = round trips/msg)"
+            if figure.cpu_us is not None:
+                cost += f"  {figure.cpu_us:.0f} CPU us/msg ({figure.cpu_split})"
+            if figure.pause is not None:
+                cost += f"  longest pause {figure.pause:.2f}s"
+            print(f"  {figure.name:<60} {extra}{cost}", flush=True)
 
         print(
-            f"outbox-relay benchmarks: {n:,} and {bulk:,} messages, pool of {procs}, "
-            f"{os.cpu_count()} CPUs",
+            f"outbox-relay benchmarks: {n:,} and {bulk:,} messages, pool of {b.procs}, "
+            f"{b.loop_procs} loop processes, {os.cpu_count()} CPUs, {rounds} round(s), "
+            f"load average {load[0]:.2f}",
             flush=True,
         )
-        if want("ceiling"):
-            record("noop", ceiling(admin, broker, n, procs, "noop"))
-            record("update", ceiling(admin, broker, n, procs, "update"))
-        if want("per-message"):
-            record(
-                "per_message",
-                relay(
-                    admin,
-                    broker,
-                    n,
-                    procs,
-                    chunk=1,
-                    publisher="noop",
-                    name="relay per-message (deliver), no-op publisher",
-                ),
-            )
-        if want("per-message"):
-            record(
-                "per_message_async",
-                relay(
-                    admin,
-                    broker,
-                    n,
-                    procs,
-                    chunk=1,
-                    publisher="noop",
-                    synchronous_finalize="false",
-                    name="relay per-message, finalize with synchronous_commit=off",
-                ),
-            )
-        if want("chunked"):
-            record(
-                "chunked",
-                relay(
-                    admin,
-                    broker,
-                    bulk,
-                    procs,
-                    chunk=args.chunk,
-                    publisher="noop",
-                    batch_size=args.chunk * 4,
-                    max_in_flight=args.chunk * 16,
-                    publish_concurrency=args.chunk,
-                    name=f"relay chunked ({args.chunk}), no-op publisher",
-                ),
-            )
-            record(
-                "chunked_20ms",
-                relay(
-                    admin,
-                    broker,
-                    bulk,
-                    procs,
-                    chunk=args.chunk,
-                    publisher="wait20ms",
-                    batch_size=args.chunk * 4,
-                    max_in_flight=args.chunk * 16,
-                    publish_concurrency=args.chunk,
-                    lease_seconds=120,
-                    name=f"relay chunked ({args.chunk}), 20 ms publisher",
-                ),
-            )
-            record(
-                "chunked_async",
-                relay(
-                    admin,
-                    broker,
-                    bulk,
-                    procs,
-                    chunk=args.chunk,
-                    publisher="noop",
-                    batch_size=args.chunk * 4,
-                    max_in_flight=args.chunk * 16,
-                    publish_concurrency=args.chunk,
-                    synchronous_finalize="false",
-                    name=f"relay chunked ({args.chunk}), finalize with synchronous_commit=off",
-                ),
-            )
-        if want("loops"):
-            lp = args.loop_procs
-            record(
-                "literal",
-                loop(
-                    admin,
-                    bulk,
-                    lp,
-                    kind="literal",
-                    publisher="noop",
-                    name=f"articles' literal loop x{lp}, no-op",
-                ),
-            )
-            record(
-                "literal_20ms",
-                loop(
-                    admin,
-                    max(bulk // 10, 1000),
-                    lp,
-                    kind="literal",
-                    publisher="wait20ms",
-                    name=f"articles' literal loop x{lp}, 20 ms",
-                ),
-            )
-            record(
-                "plain",
-                loop(
-                    admin,
-                    bulk,
-                    lp,
-                    kind="plain",
-                    publisher="noop",
-                    name=f"dispatch_once loop x{lp}, no-op",
-                ),
-            )
-        if want("pgqueuer"):
-            try:
-                import asyncpg  # noqa: F401
-                import pgqueuer  # noqa: F401
-            except ImportError as exc:
-                print(f"  pgqueuer group skipped: {exc} (pip install -e '.[bench]')", flush=True)
-            else:
+        pgq = want("pgqueuer") and _has_pgqueuer()
+        for number in range(1, rounds + 1):
+            print(f"round {number}", flush=True)
+            if want("chunked"):
+                for chunk in chunks:
+                    record(
+                        f"chunked_{chunk}",
+                        relay(
+                            b,
+                            bulk,
+                            name=f"relay chunked ({chunk}), no-op",
+                            chunk=chunk,
+                            **_chunk_settings(chunk),
+                        ),
+                    )
+            if want("loops"):
+                record(
+                    "literal",
+                    loop(
+                        b,
+                        bulk,
+                        kind="literal",
+                        name=f"articles' literal loop x{b.loop_procs}, no-op",
+                    ),
+                )
+            if pgq:
                 record(
                     "pgq",
                     pgqueuer_drain(
-                        admin, bulk, 4, wait_seconds=0, name="pgqueuer x4 consumers, no-op"
+                        b, bulk, wait_seconds=0, name=f"pgqueuer x{b.loop_procs}, no-op"
                     ),
                 )
+            if want("chunked"):
+                record(
+                    "chunked_20ms",
+                    relay(
+                        b,
+                        bulk,
+                        name="relay chunked (50), 20 ms publisher",
+                        chunk=50,
+                        publisher="wait20ms",
+                        batch_size=500,
+                    ),
+                )
+            if pgq:
                 record(
                     "pgq_20ms",
                     pgqueuer_drain(
-                        admin, bulk, 4, wait_seconds=0.02, name="pgqueuer x4 consumers, 20 ms jobs"
+                        b, bulk, wait_seconds=0.02, name=f"pgqueuer x{b.loop_procs}, 20 ms jobs"
                     ),
                 )
-        if want("canvas"):
-            cn = args.canvas_messages
-            record("oncommit", canvas(admin, broker, cn, procs, outbox=False))
-            record("canvas", canvas(admin, broker, cn, procs, outbox=True))
-            record(
-                "canvas_chunked",
-                canvas(admin, broker, cn, procs, outbox=True, chunk=args.chunk),
-            )
-        if want("durable"):
-            # The plain task first, then the durable one: minutes apart at most.
-            if "update" not in figures:
-                record("update", ceiling(admin, broker, n, procs, "update"))
-            record("durable", durable(admin, broker, n, procs, in_flight=args.in_flight))
-            print(
-                f"  durable / Celery UPDATE task: {ratio(figures['durable'], figures['update'])}",
-                flush=True,
-            )
-        if want("latency"):
-            record("lat_notify", latency(admin, broker, listen=True, messages=100, interval=5))
-            record("lat_poll", latency(admin, broker, listen=False, messages=100, interval=1))
+            if want("per-message"):
+                record(
+                    "per_message", relay(b, n, name="relay per-message (deliver), no-op", chunk=1)
+                )
+                if not args.quick:
+                    record(
+                        "per_message_noack",
+                        relay(
+                            b,
+                            n,
+                            name="relay per-message, Redis ack_emulation off",
+                            chunk=1,
+                            env_extra={"BENCH_ACK_EMULATION": "false"},
+                        ),
+                    )
+            if want("ceiling"):
+                record("update", ceiling(b, n, "update"))
+                record("noop", ceiling(b, n, "noop"))
+            if want("loops") and not args.quick:
+                record(
+                    "unnest",
+                    unnest_limit(
+                        b, bulk * 4, name=f"UPDATE ... FROM unnest(500 ids) x{b.loop_procs}"
+                    ),
+                )
+        figures = {key: median_figure(rounds_) for key, rounds_ in results.items()}
+        if want("durable") or want("canvas"):
+            # One round each (benchmarks/pipelines.py), after the alternating ones.
+            from benchmarks import pipelines
 
-    pairs = [
-        ("per-message / Celery UPDATE task", "per_message", "update"),
-        ("per-message / Celery no-op task", "per_message", "noop"),
-        ("per-message, async finalize / Celery UPDATE task", "per_message_async", "update"),
-        ("durable task / Celery UPDATE task", "durable", "update"),
-        ("chunked / literal loop (no-op)", "chunked", "literal"),
-        ("chunked, async finalize / literal loop", "chunked_async", "literal"),
-        ("chunked 20 ms / literal loop 20 ms", "chunked_20ms", "literal_20ms"),
-        ("chunked / dispatch_once loop", "chunked", "plain"),
-        ("chunked / pgqueuer (no-op)", "chunked", "pgq"),
-        ("chunked 20 ms / pgqueuer 20 ms", "chunked_20ms", "pgq_20ms"),
-        ("apply_async via outbox / on_commit apply_async", "canvas", "oncommit"),
-        ("apply_async via outbox, chunked / on_commit", "canvas_chunked", "oncommit"),
+            if want("durable"):
+                print("durable", flush=True)
+                if "update" not in figures:
+                    figures["update"] = ceiling(b, n, "update")
+                figures["durable"] = pipelines.durable(b, n, in_flight=args.in_flight)
+            if want("canvas"):
+                print("canvas", flush=True)
+                cn = 500 if args.quick else args.canvas_messages
+                figures["oncommit"] = pipelines.canvas(b, cn, outbox=False)
+                figures["canvas"] = pipelines.canvas(b, cn, outbox=True)
+                figures["canvas_chunked"] = pipelines.canvas(b, cn, outbox=True, chunk=200)
+            for key in ("update", "durable", "oncommit", "canvas", "canvas_chunked"):
+                if key in figures and want("durable" if key in ("update", "durable") else "canvas"):
+                    f = figures[key]
+                    print(f"  {f.name:<60} {f.note or f'{f.rate:,.0f} msg/s'}", flush=True)
+        if want("latency"):
+            print("latency", flush=True)
+            count = 50 if args.quick else 300
+            best = max(
+                (
+                    figures[k].rate
+                    for k in figures
+                    if k.startswith("chunked_") and k != "chunked_20ms"
+                ),
+                default=0.0,
+            )
+            figures["lat_idle"] = latency(
+                b, name="latency idle, LISTEN/NOTIFY", messages=count, rate=20
+            )
+            if best:
+                half = best / 2
+                figures["lat_half"] = latency(
+                    b,
+                    name=f"latency at {half:,.0f} msg/s (half the chunked max), LISTEN/NOTIFY",
+                    messages=int(count * 10 if not args.quick else count),
+                    rate=half,
+                )
+            figures["lat_poll"] = latency(
+                b,
+                name="latency idle, polling only (every 1 s)",
+                messages=count // 3,
+                rate=10,
+                listen=False,
+                interval=1,
+            )
+            for key in ("lat_idle", "lat_half", "lat_poll"):
+                if key in figures:
+                    print(f"  {figures[key].name:<60} {figures[key].note}", flush=True)
+
+    report = _report(figures, chunks, b, n, bulk, rounds, load)
+    print("\n" + report)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / ("quick.md" if args.quick else "latest.md")).write_text(report)
+    return 0
+
+
+def _chunk_settings(chunk: int) -> dict[str, int]:
+    """What a user sets beside OUTBOX_CHUNK_SIZE: a batch of 500 (two chunks
+    at least), and above 128 the publish concurrency the start-up error
+    suggests (OUTBOX_PUBLISH_CONCURRENCY=ceil(chunk / 4): four waves of the
+    default 10 s publish timeout fit in 80% of the default 60 s lease)."""
+    settings = {"batch_size": max(500, 2 * chunk)}
+    if chunk > 128:
+        settings["publish_concurrency"] = -(-chunk // 4)
+    return settings
+
+
+def _has_pgqueuer() -> bool:
+    try:
+        import asyncpg  # noqa: F401
+        import pgqueuer  # noqa: F401
+    except ImportError as exc:
+        print(f"  pgqueuer group skipped: {exc} (pip install -e '.[bench]')", flush=True)
+        return False
+    return True
+
+
+def _report(
+    figures: dict[str, Figure],
+    chunks: list[int],
+    b: Bench,
+    n: int,
+    bulk: int,
+    rounds: int,
+    load: tuple[float, float, float],
+) -> str:
+    pairs = (
+        [(f"chunked {c} / literal loop", f"chunked_{c}", "literal") for c in chunks]
+        + [(f"chunked {c} / pgqueuer", f"chunked_{c}", "pgq") for c in chunks]
+        + [
+            ("chunked 50, 20 ms / pgqueuer 20 ms", "chunked_20ms", "pgq_20ms"),
+            ("per-message / Celery UPDATE task", "per_message", "update"),
+            ("per-message / Celery no-op task", "per_message", "noop"),
+            ("per-message, ack_emulation off / Celery UPDATE task", "per_message_noack", "update"),
+            ("durable task / Celery UPDATE task", "durable", "update"),
+            ("apply_async via outbox / on_commit apply_async", "canvas", "oncommit"),
+            ("apply_async via outbox, chunked / on_commit", "canvas_chunked", "oncommit"),
+        ]
+        + [
+            (f"chunked {c} / unnest limit (moonshot: 0.10x)", f"chunked_{c}", "unnest")
+            for c in chunks
+        ]
+    )
+    ratios = ["| ratio | by rate | by CPU per message |", "| --- | --- | --- |"]
+    for label, a, c in pairs:
+        if a in figures and c in figures:
+            fa, fc = figures[a], figures[c]
+            by_cpu = "" if not (fa.cpu_us and fc.cpu_us) else f"{fc.cpu_us / fa.cpu_us:.2f}x"
+            ratios.append(f"| {label} | {ratio(fa, fc)} | {by_cpu} |")
+    table = [
+        "| scenario | messages | seconds | msg/s (median) | CPU us/msg "
+        "| round trips (statements)/msg | transactions/msg "
+        "| worker RSS MB (first, last, peak) | DB connections (peak) "
+        "| longest pause s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    lines = ["| ratio | value |", "| --- | --- |"]
-    for label, a, b in pairs:
-        lines.append(f"| {label} | {ratio(figures.get(a), figures.get(b))} |")
-    table = ["| scenario | messages | seconds | result |", "| --- | --- | --- | --- |"]
     for f in figures.values():
-        result = f.note or f"{f.rate:,.0f} msg/s"
-        table.append(f"| {f.name} | {f.messages:,} | {f.seconds:.2f} | {result} |")
-    report = "\n".join(
+        result = f.note if not f.rate else f"{f.rate:,.0f}" + (f" ({f.note})" if f.note else "")
+        rss = (
+            "" if f.rss_mb is None else f"{f.rss_mb[0]:.0f}, {f.rss_mb[1]:.0f}, {f.rss_peak_mb:.0f}"
+        )
+        table.append(
+            f"| {f.name} | {f.messages:,} | {f.seconds:.2f} | {result} | {_fmt(f.cpu_us, 0)}"
+            f"{_split(f)} "
+            f"| {_fmt(f.statements)} | {_fmt(f.transactions)} | {rss} "
+            f"| {'' if f.connections_peak is None else f.connections_peak} | {_fmt(f.pause, 2)} |"
+        )
+    return "\n".join(
         [
             f"# Benchmark run {time.strftime('%Y-%m-%d %H:%M:%S')}",
             "",
-            f"{os.cpu_count()} CPUs; Celery pool of {procs} processes; {n:,} messages for "
-            f"per-message and ceiling, {bulk:,} for chunked, loops and pgqueuer.",
+            f"{os.cpu_count()} CPUs, load average {load[0]:.2f} at the start (a shared machine); "
+            f"Celery pool of {b.procs} processes, {b.loop_procs} loop/pgqueuer processes; "
+            f"{n:,} messages per-message and ceiling, {bulk:,} chunked, loops and pgqueuer; "
+            f"medians of {rounds} alternating round(s).",
             "",
             *table,
             "",
-            *lines,
+            *ratios,
             "",
         ]
     )
-    print("\n" + report)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.md").write_text(report)
-    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ relay reads the value inside.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -437,6 +438,11 @@ class ProducerSettings(_Loadable):
         return [f.name for f in fields(cls)]
 
 
+# The share of the lease a delivery's worst case should use at most, in the
+# advice a lease that is too short gets (see Settings._lease_too_short).
+_WORST_SHARE = 0.8
+
+
 @dataclass(frozen=True)
 class Settings(ProducerSettings):
     """All relay settings: the producer settings (inherited) and the relay's own.
@@ -533,23 +539,41 @@ class Settings(ProducerSettings):
             raise ConfigError(self._lease_too_short(worst))
 
     def _lease_too_short(self, worst: float) -> str:
-        if self.chunk_size == 1:
-            return (
-                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({self.publish_timeout_seconds:g}) must be "
-                f"less than OUTBOX_LEASE_SECONDS ({self.lease_seconds:g}): a publish must "
-                "finish inside the lease, or another worker re-claims the message while it "
-                f"is sent; raise OUTBOX_LEASE_SECONDS above {worst:g}"
-            )
+        """What does not fit, and each single setting that would make it fit, with its value."""
+        lease, timeout = self.lease_seconds, self.publish_timeout_seconds
         waves = self.waves
-        fits = max(1, int((self.lease_seconds * 0.8) // self.publish_timeout_seconds))
+        if self.chunk_size == 1:
+            problem = (
+                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS ({timeout:g}) must be less than "
+                f"OUTBOX_LEASE_SECONDS ({lease:g}): a publish must finish inside the lease, or "
+                "another worker re-claims the message while it is sent"
+            )
+        else:
+            problem = (
+                f"OUTBOX_CHUNK_SIZE {self.chunk_size} does not fit in OUTBOX_LEASE_SECONDS "
+                f"({lease:g}): a delivery chunk may publish for {worst:g}s, ceil(OUTBOX_CHUNK_SIZE "
+                f"{self.chunk_size} / OUTBOX_PUBLISH_CONCURRENCY {self.publish_concurrency}) = "
+                f"{waves} waves x OUTBOX_PUBLISH_TIMEOUT_SECONDS {timeout:g}, and must end "
+                "inside the lease"
+            )
+        # Each fix keeps the worst case within 80% of the lease: the rest is
+        # for the time a delivery task waits in the queue (a task that starts
+        # with less lease left than its worst case gives its rows back).
+        room = lease * _WORST_SHARE
+        fixes = [f"OUTBOX_LEASE_SECONDS={math.ceil(worst / _WORST_SHARE - 1e-9)}"]
+        fitting_waves = int(room // timeout)
+        if self.chunk_size > 1 and fitting_waves >= 1:
+            fixes.append(f"OUTBOX_CHUNK_SIZE={fitting_waves * self.publish_concurrency}")
+            fixes.append(f"OUTBOX_PUBLISH_CONCURRENCY={-(-self.chunk_size // fitting_waves)}")
+        shorter = math.floor(room / waves * 10 + 1e-9) / 10
+        if shorter > 0:
+            fixes.append(
+                f"OUTBOX_PUBLISH_TIMEOUT_SECONDS={shorter:g} (the publisher's own timeouts "
+                "must then fit in it)"
+            )
         return (
-            f"a delivery chunk may publish for {worst:g}s: ceil(OUTBOX_CHUNK_SIZE "
-            f"{self.chunk_size} / OUTBOX_PUBLISH_CONCURRENCY {self.publish_concurrency}) = "
-            f"{waves} waves x OUTBOX_PUBLISH_TIMEOUT_SECONDS {self.publish_timeout_seconds:g}, "
-            f"which does not fit inside OUTBOX_LEASE_SECONDS ({self.lease_seconds:g}). "
-            f"Raise OUTBOX_LEASE_SECONDS above {worst:g}, or OUTBOX_PUBLISH_CONCURRENCY to "
-            f"{-(-self.chunk_size // fits)}, or lower OUTBOX_CHUNK_SIZE to "
-            f"{fits * self.publish_concurrency}"
+            f"{problem}. Set one of: {', or '.join(fixes)}; each leaves a fifth of the lease "
+            "for the time a delivery task waits in the queue"
         )
 
     # ------------------------------------------------------------------ helpers

@@ -365,6 +365,73 @@ def test_notify_wakes_an_idle_relay_without_beat(recorded_dsn, redis_broker, pro
     assert elapsed < 6.0
 
 
+@pytest.mark.parametrize(
+    ("n", "settings"),
+    [
+        # 10 tasks a round: 4 processes prefetch 16, a whole round at once.
+        (6000, {"chunk_size": 20, "batch_size": 200, "max_in_flight": 400}),
+        # 100 tasks a round: longer than the worker prefetches.
+        (1000, {"chunk_size": 1, "batch_size": 100, "max_in_flight": 150}),
+    ],
+    ids=["short-rounds", "long-rounds"],
+)
+def test_a_drain_under_the_cap_goes_on_without_beat(
+    recorded_dsn, redis_broker, procs_factory, n, settings
+):
+    # No beat: the NOTIFY at commit starts one claim, and the drain must
+    # carry itself to the end through the in-flight cap.
+    procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds=3600, **settings)
+    worker = procs.worker(concurrency=4)
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    ids = commit_at_once(recorded_dsn, n)
+    wait_for(lambda: all_done(recorded_dsn, n), timeout=180, what=f"{n} messages done")
+    assert counts(recorded_dsn) == {"done": n}
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+
+
+def test_a_drain_with_beat_does_not_wait_for_its_ticks(recorded_dsn, redis_broker, procs_factory):
+    # The issue's configuration, with beat as the docs run it. Beat's tick
+    # starts a second claim chain beside the drain's own; before, both then
+    # found the cap reached, used up their held-back rounds in milliseconds
+    # and stopped until the next tick: nothing was delivered for most of each
+    # interval (4 s of every 5 s). A pause is measured between consecutive
+    # done_at by the database clock; 3 s is a third of the tick used here,
+    # far above the pauses of a working drain (under 1 s in make bench with
+    # the machine's load average at 20).
+    n = 20000
+    procs = procs_factory(
+        recorded_dsn,
+        redis_broker,
+        claim_interval_seconds=10,
+        chunk_size=50,
+        batch_size=500,
+        max_in_flight=1000,
+    )
+    worker = procs.worker(concurrency=4)
+    procs.beat()
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    ids = commit_at_once(recorded_dsn, n)
+    wait_for(lambda: all_done(recorded_dsn, n), timeout=240, what=f"{n} messages done")
+    assert counts(recorded_dsn) == {"done": n}
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+    with psycopg.connect(recorded_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT extract(epoch FROM max(gap))::float8 FROM ("
+            " SELECT done_at - lag(done_at) OVER (ORDER BY done_at) AS gap FROM outbox) AS g"
+        ).fetchone()
+    assert row is not None and row[0] < 3.0, f"the drain paused {row}s:\n{procs.logs()}"
+
+
+def commit_at_once(dsn: str, n: int) -> list[int]:
+    """``n`` messages in one business transaction (one NOTIFY at its commit)."""
+    with psycopg.connect(dsn) as conn:
+        ids = outbox_relay.enqueue_many(
+            conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(n)]
+        )
+        conn.commit()
+    return ids
+
+
 def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_factory):
     procs = procs_factory(recorded_dsn, redis_broker, publish_timeout_seconds=30, lease_seconds=20)
     worker = procs.worker(ready=False)

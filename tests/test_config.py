@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 
 from outbox_relay import ConfigError, ProducerSettings, Settings
@@ -55,17 +58,55 @@ def test_ordered_event_types_match_exact_names_and_prefixes() -> None:
     assert not producer.is_ordered("invoice.voided") and not producer.is_ordered("orders")
 
 
+def _suggested(text: str) -> dict[str, str]:
+    """The ``OUTBOX_NAME=value`` fixes a lease error offers."""
+    return dict(re.findall(r"(OUTBOX_[A-Z_]+)=([0-9.]+)", text))
+
+
+_FIELDS = {
+    "OUTBOX_LEASE_SECONDS": "lease_seconds",
+    "OUTBOX_CHUNK_SIZE": "chunk_size",
+    "OUTBOX_PUBLISH_CONCURRENCY": "publish_concurrency",
+    "OUTBOX_PUBLISH_TIMEOUT_SECONDS": "publish_timeout_seconds",
+}
+
+
 def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
     with pytest.raises(ConfigError) as caught:
         Settings(chunk_size=200, lease_seconds=10, publish_timeout_seconds=2)
     text = str(caught.value)
     # ceil(200 / 32) = 7 waves x 2 s = 14 s > 10 s
     assert "14s" in text and "7 waves" in text
-    assert "OUTBOX_LEASE_SECONDS above 14" in text
-    assert "OUTBOX_CHUNK_SIZE to 128" in text  # 4 waves x 2 s fit in 80% of the lease
-    # Each suggestion works.
-    Settings(chunk_size=200, lease_seconds=15, publish_timeout_seconds=2)
-    Settings(chunk_size=128, lease_seconds=10, publish_timeout_seconds=2)
+    # Every fix keeps the worst case within 80% of the lease.
+    assert _suggested(text) == {
+        "OUTBOX_LEASE_SECONDS": "18",  # 14 / 0.8 = 17.5
+        "OUTBOX_CHUNK_SIZE": "128",  # 4 waves x 2 s fit in 8 s
+        "OUTBOX_PUBLISH_CONCURRENCY": "50",  # ceil(200 / 4)
+        "OUTBOX_PUBLISH_TIMEOUT_SECONDS": "1.1",  # 7 x 1.1 = 7.7 s
+    }
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"chunk_size": 200, "lease_seconds": 10, "publish_timeout_seconds": 2},
+        # The default publish timeout (10 s) fills the whole lease: no chunk
+        # size or concurrency can help, and none is offered.
+        {"chunk_size": 200, "lease_seconds": 10},
+        {"chunk_size": 200},
+        {"chunk_size": 500, "batch_size": 1000, "publish_timeout_seconds": 5},
+        {"lease_seconds": 5},  # per-message: the publish timeout alone
+    ],
+)
+def test_each_suggested_fix_is_enough_on_its_own(settings: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings(**settings)
+    fixes = _suggested(str(caught.value))
+    assert "OUTBOX_LEASE_SECONDS" in fixes and "OUTBOX_PUBLISH_TIMEOUT_SECONDS" in fixes
+    for name, value in fixes.items():
+        field = _FIELDS[name]
+        fixed = Settings(**{**settings, field: type(getattr(Settings(), field))(float(value))})
+        assert fixed.worst_delivery_seconds <= 0.8 * fixed.lease_seconds + 1e-9, name
 
 
 def test_every_database_call_is_bounded_within_the_lease() -> None:

@@ -11,8 +11,10 @@ the user's ``task_routes`` decide, with the relay's own route (the
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import Settings
@@ -22,7 +24,7 @@ from ..store import finalize
 from .durable_send import DurableSends, is_durable_row, send_durable
 from .options import time_limits
 
-__all__ = ["argsrepr", "chunked", "fan_out", "release"]
+__all__ = ["DrainPlan", "argsrepr", "chunked", "drain_plan", "fan_out", "release"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -72,6 +74,31 @@ def chunked(claimed: Sequence[Claimed], size: int) -> list[list[Claimed]]:
     return chunks
 
 
+@dataclass(frozen=True)
+class DrainPlan:
+    """Where a round's next claim goes: queued as a task of its own just before
+    delivery task ``queued_at``, or sent by delivery task ``marked`` as it
+    starts (``when="start"``) or once its rows are finished (``"end"``)."""
+
+    queued_at: int = -1
+    marked: int = -1
+    when: str = "start"
+
+
+def drain_plan(tasks: int, *, prefetched: int, tight: bool) -> DrainPlan:
+    """The placement ``fan_out`` explains, for a round of ``tasks`` delivery tasks.
+
+    ``prefetched``: what one worker takes from the queue ahead of time (0:
+    unknown, Celery's default multiplier of 4 per CPU is assumed); ``tight``:
+    only finished rows make room for the next claim.
+    """
+    halfway = tasks // 2
+    window = prefetched or 4 * (os.cpu_count() or 1)
+    if not tight and tasks > 2 * window:
+        return DrainPlan(queued_at=halfway)
+    return DrainPlan(marked=halfway, when="end" if tight else "start")
+
+
 def _batched(producer: Any) -> AbstractContextManager[Any]:
     """Group the fan-out into one broker round trip where the transport can.
 
@@ -93,42 +120,76 @@ def fan_out(
     deliver_batch: Any,
     annotated: dict[str, Any],
     follow_up: Callable[[Any], None] | None = None,
+    prefetched: int = 0,
+    capped: bool = False,
 ) -> None:
-    """Send the delivery tasks; ``follow_up`` (a claim) goes in halfway through.
+    """Send the delivery tasks, and with them the drain's next claim (``follow_up``).
 
-    A drain's next claim sits in the queue behind half of this round's
-    deliveries: it runs while the other half is still queued, so the workers
-    never wait on an empty queue between rounds, and the broker holds about
-    one round at a time (self-pacing, whatever the workers' speed).
+    The next claim should run when about half of this round is delivered:
+    it then finds room under the in-flight cap, and its deliveries queue up
+    behind the other half, so the workers never wait on an empty queue
+    between rounds. Where it goes depends on the round's size against what
+    a worker takes from the queue ahead of time (``prefetched``, its
+    concurrency x ``worker_prefetch_multiplier``):
+
+    * a long round: the claim is queued as a task of its own halfway
+      through; it is reached when half the round has been taken;
+    * a short round (chunks of 50 from a batch of 500 are 10 tasks): a worker
+      prefetches the whole round at once, so a claim queued among them would
+      run at once, find the cap reached, and after a few empty rounds stop
+      the drain until beat's next tick (seen as 4 s stalls every 5 s). The
+      delivery task halfway through sends the claim as it starts instead.
+      If that one task is lost, beat's tick starts the drain again;
+    * a round the in-flight cap cut short (``capped``), or a cap too tight
+      for two whole batches (OUTBOX_MAX_IN_FLIGHT < 2 x OUTBOX_BATCH_SIZE,
+      as with the defaults' 1000 and a batch of 1000): only finished rows
+      make room, so the delivery task halfway through sends the claim once
+      its own rows are finished (sent as it starts, the claim found no room
+      and waited for a held-back round: 4 s pauses with chunks of 500).
     """
     size = settings.chunk_size
-    # Durable task rows are sent as their own task (one hop), one message each.
+    # Durable task rows are sent as their own task (one hop), one message
+    # each, after the plain chunks: the drain's plan counts the plain chunks
+    # only, so its marked delivery task is never a durable one (a durable
+    # run that finishes asks for a claim of its own).
     durable = [c for c in claimed if is_durable_row(c)]
     plain = [c for c in claimed if not is_durable_row(c)] if durable else claimed
-    chunks: list[list[Claimed]] = [*chunked(plain, size), *([c] for c in durable)]
-    halfway = len(chunks) // 2
+    plain_chunks = chunked(plain, size)
+    chunks: list[list[Claimed]] = [*plain_chunks, *([c] for c in durable)]
+    sends = DurableSends()
+    cap = settings.max_in_flight
+    tight = capped or (cap is not None and cap < 2 * settings.batch_size)
+    plan = drain_plan(len(plain_chunks), prefetched=prefetched, tight=tight)
+    if follow_up is None:
+        plan = DrainPlan()
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
-    sends = DurableSends()
+    common: dict[str, Any] = {"expires": expires, "serializer": "json"}
+    if "time_limit" not in annotated:
+        common["time_limit"] = hard_limit
+    if "soft_time_limit" not in annotated:
+        common["soft_time_limit"] = soft_limit
+    # The claim task's lineage, looked up once per round: Celery would look
+    # up the current task twice per message sent, and keep a result object
+    # for each in the claim's request (add_to_parent) until it returns.
+    parent = app.current_worker_task
+    if parent is not None and getattr(parent.request, "id", None):
+        common["parent_id"] = parent.request.id
+        common["root_id"] = parent.request.root_id or parent.request.id
+    common["add_to_parent"] = False
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             for number, chunk in enumerate(chunks):
-                if follow_up is not None and number == halfway:
+                if number == plan.queued_at:
+                    assert follow_up is not None
                     follow_up(producer)
                 if is_durable_row(chunk[0]):
                     send_durable(app, settings, producer, chunk[0], sends)
                     continue
                 refs = [c.ref for c in chunk]
-                options: dict[str, Any] = {
-                    "expires": expires,
-                    "producer": producer,
-                    "argsrepr": argsrepr(refs),
-                    "serializer": "json",
-                }
-                if "time_limit" not in annotated:
-                    options["time_limit"] = hard_limit
-                if "soft_time_limit" not in annotated:
-                    options["soft_time_limit"] = soft_limit
+                options = {**common, "producer": producer, "argsrepr": argsrepr(refs)}
+                if number == plan.marked:
+                    options["kwargs"] = {"drain": plan.when}
                 if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
                 else:
@@ -136,8 +197,10 @@ def fan_out(
                     deliver_batch.apply_async((pairs,), **options)
     except Exception:
         # Some tasks may have reached the broker before the failure (a batch
-        # flushes as it fills). Release every row anyway: a task that did
-        # arrive finds a newer lease_version and is turned away by the fence.
+        # flushes as it fills). Release every row anyway: a task that arrives
+        # later finds the row released (or under a newer lease_version) and is
+        # turned away by the fence; a row whose task already began is left to
+        # it (release's unless_begun).
         log.exception("fan-out to the broker failed; releasing %d claimed rows", len(claimed))
         release(db, settings, claimed, "fan-out to the broker failed")
         raise

@@ -230,6 +230,10 @@ class Installation:
         # only have logged, and whether the worker was started with -Q.
         self.config_error: OutboxError | None = None
         self.explicit_queues = False
+        # Tasks this worker takes from the queue ahead of time (concurrency x
+        # worker_prefetch_multiplier), recorded at worker setup, before the
+        # pool forks; 0 when unknown. fan_out places a drain's next claim by it.
+        self.prefetched = 0
 
     # ----------------------------------------------------------- settings
     @property

@@ -29,7 +29,7 @@ from .options import annotations_for
 if TYPE_CHECKING:
     from .runtime import Installation
 
-__all__ = ["MAX_HELD_BACK_ROUNDS", "register_tasks"]
+__all__ = ["HELD_BACK_SECONDS", "MAX_HELD_BACK_ROUNDS", "register_tasks"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -37,6 +37,9 @@ log = logging.getLogger("outbox_relay.celery")
 # drain stops and leaves the rest to beat (leases held by a dead worker, say,
 # which the rescuer frees once they expire).
 MAX_HELD_BACK_ROUNDS = 5
+# The first held-back round looks again after this long, each next one after
+# twice as long (0.1 + 0.2 + ... + 1.6 s in all).
+HELD_BACK_SECONDS = 0.1
 
 # shared=False: Celery would otherwise add a task to every app created in the
 # process, and a second app's relay tasks would run with the first app's
@@ -60,17 +63,32 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             _send(claim)
         return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
+    def drained(drain: bool | str, refs: list[LeaseRef]) -> dict[str, int]:
+        # ``drain`` (see fan_out): this task is halfway through a round of a
+        # drain; it sends the next claim as it starts ("start", or True), or
+        # once its own rows are finished ("end": the round was cut short by
+        # the in-flight cap, and only finished rows make room).
+        if drain and drain != "end":
+            _send(claim)
+        try:
+            return after_delivery(inst.services().deliverer.deliver(refs))
+        finally:
+            if drain == "end":
+                _send(claim)
+
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
-    def deliver(self: Any, outbox_id: int, lease_version: int) -> dict[str, int]:
+    def deliver(
+        self: Any, outbox_id: int, lease_version: int, drain: bool | str = False
+    ) -> dict[str, int]:
         """Deliver one leased message (the default, one task per message)."""
-        ref = LeaseRef(int(outbox_id), int(lease_version))
-        return after_delivery(inst.services().deliverer.deliver([ref]))
+        return drained(drain, [LeaseRef(int(outbox_id), int(lease_version))])
 
     @app.task(name=names.DELIVER_BATCH, **_TASK)  # type: ignore[untyped-decorator]
-    def deliver_batch(self: Any, refs: list[list[int]]) -> dict[str, int]:
+    def deliver_batch(
+        self: Any, refs: list[list[int]], drain: bool | str = False
+    ) -> dict[str, int]:
         """Deliver a chunk: one begin, concurrent publishes, one batched finalize."""
-        leases = [LeaseRef(int(i), int(v)) for i, v in refs]
-        return after_delivery(inst.services().deliverer.deliver(leases))
+        return drained(drain, [LeaseRef(int(i), int(v)) for i, v in refs])
 
     @app.task(name=names.CLAIM, **_TASK)  # type: ignore[untyped-decorator]
     def claim(self: Any, held_back: int = 0, min_room: int = 0) -> dict[str, int]:
@@ -93,10 +111,17 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
                 follow_up=(lambda producer: _send(claim, producer=producer)) if more else None,
+                prefetched=inst.prefetched,
+                capped=not result.full,
             )
         elif result.capped and int(held_back) < MAX_HELD_BACK_ROUNDS:
-            # Backpressure: look again after the deliveries queued meanwhile.
-            _send(claim, (int(held_back) + 1,))
+            # Backpressure: look again once deliveries had time to finish. At
+            # once, the claim would come straight back from an empty queue
+            # (the worker holds the whole backlog in its prefetch) and use up
+            # its rounds in milliseconds; the drain would then wait for
+            # beat's tick. A short countdown is no retry of a message: a lost
+            # claim hint costs one beat interval.
+            _send(claim, (int(held_back) + 1,), countdown=HELD_BACK_SECONDS * 2 ** int(held_back))
         return {"claimed": len(result.claimed)}
 
     @app.task(name=names.RESCUE, **_TASK)  # type: ignore[untyped-decorator]

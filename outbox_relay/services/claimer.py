@@ -78,6 +78,12 @@ class Claimer:
         full = len(claimed) >= self.batch_size
         capped = False
         if not full and self.max_in_flight is not None:
-            live = self.db.run(lambda conn: store.in_flight(conn, table=self.table))
-            capped = live >= self.max_in_flight
+            # Not "live >= cap": deliveries finish while this runs, and a
+            # claim cut short by the cap then looked like the end of the
+            # backlog, stopping the drain until beat's next tick. Rows still
+            # due after a short claim mean the cap cut it short (or they are
+            # locked by a concurrent claim, or wait behind an aggregate's
+            # head: a few empty rounds, bounded by the claim task).
+            left = self.db.run(lambda conn: store.backlog(conn, table=self.table))
+            capped = left.due and (bool(claimed) or left.live >= self.max_in_flight)
         return ClaimResult(claimed, full, capped)

@@ -345,6 +345,19 @@ SELECT count(*)
  WHERE status = 'processing'
    AND lease_until >= coalesce(%(now)s::timestamptz, now());
 
+-- name: backlog
+-- After a claim that took less than a batch: the live leases, and whether
+-- rows are still due (the cap, not an empty queue, cut the claim short; the
+-- drain goes on). The second probe stops at the first entry of the ready index.
+SELECT (SELECT count(*)
+          FROM {table}
+         WHERE status = 'processing'
+           AND lease_until >= coalesce(%(now)s::timestamptz, now())),
+       EXISTS (SELECT 1
+                 FROM {table}
+                WHERE status = 'pending'
+                  AND available_at <= coalesce(%(now)s::timestamptz, now()));
+
 -- name: listen
 -- {channel} is the table's notification channel (OutboxTable.channel).
 LISTEN {channel};

@@ -22,6 +22,7 @@ from .ops import PurgeResult, get_row, purge, stats
 from .relay import (
     Began,
     Rescued,
+    backlog,
     begin,
     claim,
     extend_lease,
@@ -42,6 +43,7 @@ __all__ = [
     "PurgeResult",
     "Rescued",
     "applied_migrations",
+    "backlog",
     "begin",
     "bound_session",
     "claim",

@@ -18,8 +18,10 @@ from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, queries, statement_tx
 
 __all__ = [
+    "Backlog",
     "Began",
     "Rescued",
+    "backlog",
     "begin",
     "claim",
     "extend_lease",
@@ -315,3 +317,20 @@ def in_flight(
     with statement_tx(conn):
         row = conn.execute(queries(table).in_flight, {"now": now}).fetchone()
     return int(row[0]) if row else 0
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Live leases, and whether any row is due now."""
+
+    live: int
+    due: bool
+
+
+def backlog(
+    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
+) -> Backlog:
+    """Live leases and whether rows are still due, in one statement."""
+    with statement_tx(conn):
+        row = conn.execute(queries(table).backlog, {"now": now}).fetchone()
+    return Backlog(int(row[0]), bool(row[1])) if row else Backlog(0, False)

@@ -1,0 +1,234 @@
+"""The Celery pipelines' rows of ``make bench`` (``--only durable,canvas``).
+
+* durable: ``DurableTask``s doing the ceiling's UPDATE through
+  ``self.outbox_conn`` (with their fenced done), claimed and sent by the
+  relay on the same pool, against the pre-queued plain UPDATE task.
+* canvas: ``--canvas-messages`` business transactions each sending a no-op
+  Celery task, into one worker: ``outbox_relay.apply_async`` in the
+  transaction and relayed (per-message, and chunked ``--chunk``), against
+  ``sig.apply_async()`` right after each commit (the on_commit style).
+
+Driven by ``benchmarks/run.py``, with its services and figures.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from benchmarks.run import Bench, Figure, celery_env, database, redis_client
+from tests.celery_procs import CeleryProcs
+
+
+def wait_progress(
+    started: Callable[[], bool], finished: Callable[[], bool], *, timeout: float, poll: float = 0.02
+) -> float:
+    """Seconds from the first sign of work to completion."""
+    deadline = time.monotonic() + timeout
+    while not started():
+        if time.monotonic() > deadline:
+            raise TimeoutError("work never started")
+        time.sleep(poll)
+    t0 = time.monotonic()
+    while not finished():
+        if time.monotonic() > deadline:
+            raise TimeoutError("work did not finish in time")
+        time.sleep(poll)
+    return time.monotonic() - t0
+
+
+class Progress:
+    """Cheap progress probes on one open connection.
+
+    Opening a connection per poll would fork a PostgreSQL backend dozens of
+    times a second, stealing CPU from the very thing being measured.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def _one(self, query: str) -> Any:
+        row = self.conn.execute(query).fetchone()
+        assert row is not None
+        return row[0]
+
+    def started(self) -> bool:
+        # Walks the leased index only; done rows are found through ix_done.
+        return bool(
+            self._one(
+                "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
+                " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'done')"
+            )
+        )
+
+    def finished(self) -> bool:
+        # Nothing pending or processing: both probes use their partial indexes.
+        return not self._one(
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'pending')"
+            " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
+        )
+
+    def done(self) -> int:
+        return int(self._one("SELECT count(*) FROM outbox WHERE status = 'done'"))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def fill_durable(dsn: str, n: int) -> None:
+    """``n`` durable task rows, as ``write_durable`` writes them (in one statement)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY, done bool DEFAULT false)")
+        conn.execute("INSERT INTO bench_items SELECT g FROM generate_series(1, %s) g", (n,))
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
+            " SELECT 'celery.task', 'bench.durable_update', 'celery.durable',"
+            " jsonb_build_object('task', 'bench.durable_update', 'id', gen_random_uuid()::text,"
+            " 'args', jsonb_build_array(g), 'kwargs', '{}'::jsonb, 'options', '{}'::jsonb,"
+            " 'chain', '[]'::jsonb, 'track', true)"
+            " FROM generate_series(1, %s) AS g",
+            (n,),
+        )
+        conn.execute("VACUUM ANALYZE outbox")
+
+
+def durable(b: Bench, n: int, *, in_flight: int) -> Figure:
+    """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool.
+
+    With beat, as in production: the in-flight cap (``in_flight``) bounds
+    how many tasks wait in the queue; sized so that they run within their
+    lease, or they expire there and are sent again a lease later.
+    """
+    with database(b.admin) as dsn:
+        fill_durable(dsn, n)
+        client = redis_client(b.broker)
+        client.delete("outbox", "bench-durable")
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        env = celery_env(dsn, b.broker, max_in_flight=in_flight)
+        runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
+        try:
+            runner.beat()
+            worker = runner.worker(
+                concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
+            )
+            progress = Progress(dsn)
+
+            def started() -> bool:
+                if not worker.alive():
+                    raise RuntimeError(f"durable: worker exited:\n{worker.text()[-2000:]}")
+                return progress.started()
+
+            try:
+                seconds = wait_progress(started, progress.finished, timeout=900, poll=0.05)
+                if progress.done() != n:
+                    raise RuntimeError(f"durable: only {progress.done()} of {n} done")
+                row = progress.conn.execute(
+                    "SELECT count(*) FROM bench_items WHERE NOT done"
+                ).fetchone()
+                if row is None or row[0]:
+                    raise RuntimeError(f"durable: {row} items without their effect")
+            finally:
+                progress.close()
+        finally:
+            runner.stop_all()
+            shutil.rmtree(folder, ignore_errors=True)
+    return Figure(
+        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}", n, seconds
+    )
+
+
+# ------------------------------------------------------------------ report
+def canvas(b: Bench, n: int, *, outbox: bool, chunk: int = 1) -> Figure:
+    """A no-op task sent from ``n`` business transactions, until a worker ran them all.
+
+    ``outbox``: ``outbox_relay.apply_async`` inside each transaction (written
+    first, then relayed: the figure is the relay's, from the first row
+    claimed to the last task consumed); else the on-commit style,
+    ``sig.apply_async()`` right after each commit, with the worker already
+    consuming (from the first send to the last task consumed).
+    """
+    from benchmarks.canvas_app import app, noop
+
+    app.conf.broker_url = b.broker
+    client = redis_client(b.broker)
+    client.delete("bench-canvas", "outbox")
+    with database(b.admin) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY)")
+        write_seconds = 0.0
+        if outbox:
+            t0 = time.monotonic()
+            with psycopg.connect(dsn) as conn:
+                for i in range(1, n + 1):
+                    with conn.transaction():
+                        conn.execute("INSERT INTO bench_items (id) VALUES (%s)", (i,))
+                        app.outbox_relay.outbox.apply_async(conn, noop.s(i))
+            write_seconds = time.monotonic() - t0
+        folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+        chunked: dict[str, Any] = (
+            {"batch_size": chunk * 4, "max_in_flight": chunk * 16, "publish_concurrency": chunk}
+            if chunk > 1
+            else {}
+        )
+        env = celery_env(dsn, b.broker, chunk_size=chunk, **chunked)
+        runner = CeleryProcs(env, folder, app="benchmarks.canvas_app")
+        try:
+            worker = runner.worker(
+                concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
+            )
+            progress = Progress(dsn)
+
+            def consumed_all() -> bool:
+                return client.llen("bench-canvas") == 0 and client.hlen("unacked") == 0
+
+            try:
+                if outbox:
+
+                    def started() -> bool:
+                        if not worker.alive():
+                            raise RuntimeError(f"canvas: worker exited:\n{worker.text()[-2000:]}")
+                        return progress.started()
+
+                    def finished() -> bool:
+                        return progress.finished() and consumed_all()
+
+                    seconds = wait_progress(started, finished, timeout=900, poll=0.05)
+                    if progress.done() != n:
+                        raise RuntimeError(f"canvas: only {progress.done()} of {n} done")
+                else:
+                    # One task first, so that the clock starts with the worker consuming.
+                    noop.apply_async((0,))
+                    wait_progress(lambda: True, consumed_all, timeout=120, poll=0.05)
+                    t0 = time.monotonic()
+                    with psycopg.connect(dsn) as conn:
+                        for i in range(1, n + 1):
+                            with conn.transaction():
+                                conn.execute("INSERT INTO bench_items (id) VALUES (%s)", (i,))
+                            noop.apply_async((i,))  # on_commit: after the commit
+                    write_seconds = time.monotonic() - t0
+                    deadline = time.monotonic() + 900
+                    while not consumed_all() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    seconds = time.monotonic() - t0
+            finally:
+                progress.close()
+        finally:
+            runner.stop_all()
+            shutil.rmtree(folder, ignore_errors=True)
+    if outbox:
+        mode = "per-message" if chunk == 1 else f"chunked ({chunk})"
+        name = f"apply_async via outbox, relayed {mode}, into no-op worker"
+    else:
+        name = "sig.apply_async() after commit (on_commit), into no-op worker"
+    note = (
+        f"{n / seconds:,.0f} tasks/s end to end; producer {n / write_seconds:,.0f} tx/s"
+        if seconds and write_seconds
+        else ""
+    )
+    return Figure(name, n, seconds, note)
