@@ -781,7 +781,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def want(group: str) -> bool:
         if args.quick and not only:
-            return group in ("ceiling", "per-message", "chunked", "loops", "latency")
+            return group in (
+                "ceiling",
+                "per-message",
+                "chunked",
+                "loops",
+                "latency",
+                "durable",
+                "canvas",
+            )
         return not only or group in only
 
     results: dict[str, list[Figure]] = {}
