@@ -206,7 +206,10 @@ def test_worker_sigkilled_mid_publish_loses_nothing(recorded_dsn, redis_broker, 
 
 
 def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
-    procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=4, publish_timeout_seconds=2)
+    # A lease of 12 s: the tasks expire (lease minus the worst delivery) well
+    # after the check below. With 4 s they expired after about a second and
+    # the worker discarded the whole queue before the test looked at it.
+    procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=12, publish_timeout_seconds=2)
     procs.worker(concurrency=1)
     ids = enqueue_orders(recorded_dsn, 60, payload={"sleep": 0.3})
     # Beat is not running yet: the NOTIFY-triggered claim fans out all 60
