@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.run import Bench, Figure, celery_env, database, redis_client
+from benchmarks.run import Bench, Figure, Probe, celery_env, database, redis_client
 from tests.celery_procs import CeleryProcs
 
 
@@ -43,42 +43,20 @@ def wait_progress(
     return time.monotonic() - t0
 
 
-class Progress:
-    """Cheap progress probes on one open connection.
-
-    Opening a connection per poll would fork a PostgreSQL backend dozens of
-    times a second, stealing CPU from the very thing being measured.
-    """
-
-    def __init__(self, dsn: str) -> None:
-        self.conn = psycopg.connect(dsn, autocommit=True)
-
-    def _one(self, query: str) -> Any:
-        row = self.conn.execute(query).fetchone()
-        assert row is not None
-        return row[0]
+class Progress(Probe):
+    """run.Probe, plus the two probes these groups poll."""
 
     def started(self) -> bool:
         # Walks the leased index only; done rows are found through ix_done.
         return bool(
-            self._one(
+            self.one(
                 "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
                 " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'done')"
             )
         )
 
-    def finished(self) -> bool:
-        # Nothing pending or processing: both probes use their partial indexes.
-        return not self._one(
-            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'pending')"
-            " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
-        )
-
     def done(self) -> int:
-        return int(self._one("SELECT count(*) FROM outbox WHERE status = 'done'"))
-
-    def close(self) -> None:
-        self.conn.close()
+        return int(self.one("SELECT count(*) FROM outbox WHERE status = 'done'"))
 
 
 def fill_durable(dsn: str, n: int) -> None:
