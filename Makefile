@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-store lint typecheck demo bench bench-quick model clean
+.PHONY: venv test test-store lint typecheck demo bench bench-quick bench-memory model clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,14 @@ bench: venv
 # table, asserts nothing about speed); writes benchmarks/results/quick.md.
 bench-quick: venv
 	$(BIN)/python -m benchmarks.run --quick $(BENCH_ARGS)
+
+# The relay at a steady 1,000 messages/s for MEMORY_MINUTES (30): worker
+# memory, connections and backlog sampled every 10 s; writes
+# benchmarks/results/memory.md and memory.csv.
+MEMORY_MINUTES ?= 30
+bench-memory: venv
+	$(BIN)/pip install --quiet -e ".[dev,bench]"
+	$(BIN)/python -m benchmarks.memory --minutes $(MEMORY_MINUTES) $(BENCH_ARGS)
 
 # The protocol model (model/relay.pml) checked with Spin, about a minute;
 # needs spin and gcc (apt-get install -y spin gcc). See docs/model.md.

@@ -954,11 +954,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _chunk_settings(chunk: int) -> dict[str, int]:
     """What a user sets beside OUTBOX_CHUNK_SIZE: a batch of 500 (two chunks
-    at least), and above 128 the publish concurrency the start-up error
+    at least), and above 256 the publish concurrency the start-up error
     suggests (OUTBOX_PUBLISH_CONCURRENCY=ceil(chunk / 4): four waves of the
     default 10 s publish timeout fit in 80% of the default 60 s lease)."""
     settings = {"batch_size": max(500, 2 * chunk)}
-    if chunk > 128:
+    if chunk > 256:
         settings["publish_concurrency"] = -(-chunk // 4)
     return settings
 

@@ -471,7 +471,9 @@ class Settings(ProducerSettings):
     # Fan-out tasks expire before their lease ends, so this many must drain
     # within one lease; keep it a few batches deep.
     max_in_flight: int = 1_000
-    publish_concurrency: int = 32
+    # Threads publishing one chunk: chunks up to 64 rows go out in one wave,
+    # and with the default lease and publish timeout chunks up to 256 fit.
+    publish_concurrency: int = 64
     idempotency_key_prefix: str = "outbox-"
     queue: str = "outbox"
     listen: bool = True

@@ -73,15 +73,15 @@ _FIELDS = {
 
 def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
     with pytest.raises(ConfigError) as caught:
-        Settings(chunk_size=200, lease_seconds=10, publish_timeout_seconds=2)
+        Settings(chunk_size=400, batch_size=400, lease_seconds=10, publish_timeout_seconds=2)
     text = str(caught.value)
-    # ceil(200 / 32) = 7 waves x 2 s = 14 s > 10 s
+    # ceil(400 / 64) = 7 waves x 2 s = 14 s > 10 s
     assert "14s" in text and "7 waves" in text
     # Every fix keeps the worst case within 80% of the lease.
     assert _suggested(text) == {
         "OUTBOX_LEASE_SECONDS": "18",  # 14 / 0.8 = 17.5
-        "OUTBOX_CHUNK_SIZE": "128",  # 4 waves x 2 s fit in 8 s
-        "OUTBOX_PUBLISH_CONCURRENCY": "50",  # ceil(200 / 4)
+        "OUTBOX_CHUNK_SIZE": "256",  # 4 waves x 2 s fit in 8 s
+        "OUTBOX_PUBLISH_CONCURRENCY": "100",  # ceil(400 / 4)
         "OUTBOX_PUBLISH_TIMEOUT_SECONDS": "1.1",  # 7 x 1.1 = 7.7 s
     }
 
@@ -89,12 +89,12 @@ def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
 @pytest.mark.parametrize(
     "settings",
     [
-        {"chunk_size": 200, "lease_seconds": 10, "publish_timeout_seconds": 2},
+        {"chunk_size": 400, "batch_size": 400, "lease_seconds": 10, "publish_timeout_seconds": 2},
         # The default publish timeout (10 s) fills the whole lease: no chunk
         # size or concurrency can help, and none is offered.
         {"chunk_size": 200, "lease_seconds": 10},
-        {"chunk_size": 200},
-        {"chunk_size": 500, "batch_size": 1000, "publish_timeout_seconds": 5},
+        {"chunk_size": 500, "batch_size": 1000},
+        {"chunk_size": 1000, "batch_size": 1000, "publish_timeout_seconds": 5},
         {"lease_seconds": 5},  # per-message: the publish timeout alone
     ],
 )

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["harden_redis_transport"]
+__all__ = ["harden_redis_transport", "reuse_redis_clients"]
 
 log = logging.getLogger("outbox_relay.celery")
 
 _MARK = "_outbox_relay_hardened"
+_REUSE_MARK = "_outbox_relay_reuses_clients"
+_CLIENT = "_outbox_relay_client"
 
 
 def harden_redis_transport() -> bool:
@@ -63,4 +65,43 @@ def harden_redis_transport() -> bool:
     _connparams.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(transport.Channel, "_connparams", _connparams)  # noqa: B010 - a patch, on purpose
     log.debug("kombu's Redis transport hardened against close after collect")
+    return True
+
+
+def reuse_redis_clients() -> bool:
+    """One ``redis.Redis`` per channel and pool instead of one per command.
+
+    kombu's Redis channel builds a new ``redis.Redis`` over its connection
+    pool every time it needs the synchronous client: to record each message
+    a worker takes as unacknowledged, to acknowledge it, and to publish a
+    message outside a batch. That client holds no connection of its own (it
+    borrows one from the pool per command), but redis-py's constructor
+    builds its response-callback tables each time: about 120 us here,
+    measured as a sixth of a relay worker's main process per task
+    (docs/benchmarks.md). Such a client is safe to share, so the channel
+    keeps the one it built for as long as its pool is the same. A defect of
+    speed only: behaviour does not change (tests/test_compat.py). Returns
+    whether the transport was patched now.
+    """
+    try:
+        from kombu.transport import redis as transport
+    except ImportError:  # pragma: no cover - the redis extra is not installed
+        return False
+    original: Any = getattr(transport.Channel, "_create_client", None)
+    if original is None or getattr(original, _REUSE_MARK, False):
+        return False
+
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return original(self, asynchronous=True)
+        pool = self.pool
+        client = self.__dict__.get(_CLIENT)
+        if client is None or client.connection_pool is not pool:
+            client = original(self, asynchronous=False)
+            self.__dict__[_CLIENT] = client
+        return client
+
+    setattr(_create_client, _REUSE_MARK, True)
+    _create_client.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(transport.Channel, "_create_client", _create_client)  # noqa: B010 - a patch, on purpose
     return True

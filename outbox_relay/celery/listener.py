@@ -25,7 +25,7 @@ from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
-from .compat import harden_redis_transport
+from .compat import harden_redis_transport, reuse_redis_clients
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
@@ -148,6 +148,8 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Before the consumer connects: a Redis outage must not end this
         # worker (see compat.harden_redis_transport).
         harden_redis_transport()
+        # And one Redis client per channel, not one per acknowledgement.
+        reuse_redis_clients()
 
     def start(self, worker: Any) -> None:
         inst = self.inst
