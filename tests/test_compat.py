@@ -16,7 +16,7 @@ import pytest
 import redis.exceptions
 from kombu.transport import redis as redis_transport
 
-from outbox_relay.celery.compat import harden_redis_transport
+from outbox_relay.celery.compat import harden_redis_transport, reuse_redis_clients
 
 
 @contextmanager
@@ -91,3 +91,78 @@ def test_hardening_is_idempotent_and_keeps_live_connections_working(owned_redis:
         channel: Any = redis_transport.Channel.__new__(redis_transport.Channel)
         channel.connection = type("Detached", (), {"client": None})()
         channel._connparams()
+
+
+@contextmanager
+def _counting_redis_clients() -> Iterator[list[int]]:
+    """Counts every ``redis.Redis`` built inside the block."""
+    built = [0]
+    original = redis.Redis.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        built[0] += 1
+        original(self, *args, **kwargs)
+
+    redis.Redis.__init__ = counting  # type: ignore[method-assign]
+    try:
+        yield built
+    finally:
+        redis.Redis.__init__ = original  # type: ignore[method-assign]
+
+
+def _take_and_ack(url: str, queue_name: str, n: int) -> tuple[int, int]:
+    """Publish ``n`` messages, take and acknowledge each the way a worker does
+    (unacked bookkeeping on); return (Redis clients built, messages left unacked)."""
+    with kombu.Connection(url) as connection:
+        queue = kombu.Queue(queue_name, routing_key=queue_name)
+        with connection.Producer() as producer:
+            for i in range(n):
+                producer.publish({"n": i}, routing_key=queue_name, declare=[queue])
+        taken: list[Any] = []
+        consumer = kombu.Consumer(
+            connection.default_channel, [queue], callbacks=[lambda b, m: taken.append(m)]
+        )
+        consumer.qos(prefetch_count=1)
+        consumer.consume()
+        with _counting_redis_clients() as built:
+            while len(taken) < n:
+                connection.drain_events(timeout=5)
+                taken[-1].ack()
+        unacked = connection.default_channel.client.hlen("unacked")
+        consumer.cancel()
+    return built[0], int(unacked)
+
+
+def test_a_channel_reuses_its_redis_client_for_every_ack(owned_redis: Any) -> None:
+    with _original_reuse():
+        built, unacked = _take_and_ack(owned_redis.url, "compat-acks-before", 20)
+    # kombu as shipped: a new client to record each message unacked and to ack it.
+    assert built >= 20, "kombu no longer builds a client per ack: reuse_redis_clients can go"
+    assert unacked == 0
+    reuse_redis_clients()
+    assert reuse_redis_clients() is False  # already in place
+    built, unacked = _take_and_ack(owned_redis.url, "compat-acks-after", 20)
+    assert built <= 1
+    assert unacked == 0, "every acknowledged message left the unacked hash"
+
+
+def test_a_reused_client_follows_its_channel_to_a_new_pool(owned_redis: Any) -> None:
+    reuse_redis_clients()
+    with kombu.Connection(owned_redis.url) as connection:
+        channel: Any = connection.default_channel
+        first = channel._create_client()
+        assert channel._create_client() is first
+        channel._pool = None  # what kombu does when the channel reconnects
+        second = channel._create_client()
+        assert second is not first and second.connection_pool is channel.pool
+        assert second.ping()
+
+
+@contextmanager
+def _original_reuse() -> Iterator[None]:
+    current = redis_transport.Channel._create_client
+    redis_transport.Channel._create_client = getattr(current, "__wrapped__", current)
+    try:
+        yield
+    finally:
+        redis_transport.Channel._create_client = current
