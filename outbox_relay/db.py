@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from .store._base import relax_commit, set_statement_timeout
+from .store._base import configure_relay_session, relax_commit
 
 __all__ = [
     "Database",
@@ -165,7 +165,7 @@ class PoolDatabase:
         def configure(conn: psycopg.Connection[Any]) -> None:
             if not session_timeouts:
                 return  # the user bounds each session (durable task runs)
-            set_statement_timeout(conn, timeout)
+            configure_relay_session(conn, timeout)
             if not synchronous_finalize:
                 # Finalizes stop waiting for the WAL flush; claims still
                 # commit durably (store.claim sets it back for its transaction).

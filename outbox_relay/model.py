@@ -98,6 +98,11 @@ class Outcome:
     # (a release by someone other than that delivery).
     unless_begun: bool = False
 
+    @property
+    def plainly_done(self) -> bool:
+        """Published and nothing else to write (``store.finalize``'s short form)."""
+        return self.status == "done" and not (self.refund_attempt or self.error or self.unless_begun)
+
     @classmethod
     def done(cls, ref: LeaseRef | Claimed) -> Outcome:
         return cls(ref.id, ref.lease_version, "done")

@@ -14,6 +14,8 @@ import pytest
 
 from outbox_relay import NewMessage, enqueue_many, store
 from outbox_relay.db import PoolDatabase
+from outbox_relay.sql.queries import queries_for
+from outbox_relay.table import OutboxTable
 
 from .tcp_proxy import SilencingProxy
 
@@ -111,3 +113,42 @@ def test_a_client_that_vanishes_inside_a_transaction_releases_its_locks(dsn: str
     finally:
         db.close()
         proxy.close()
+
+
+def test_relay_sessions_never_jit_compile_their_statements(dsn: str) -> None:
+    # With PostgreSQL's defaults (jit on, jit_above_cost 100000) the planner
+    # priced the claim of a table of some thousand rows past the threshold,
+    # and every claim spent half a second compiling itself (docs/benchmarks.md).
+    params = {
+        "owner": "w",
+        "batch": 10,
+        "room": None,
+        "lease": timedelta(seconds=60),
+        "max_attempts": 12,
+        "count_attempt": 0,
+        "now": None,
+        "all_ordered": False,
+        "ordered_types": [],
+    }
+    claim = queries_for(OutboxTable.parse(None)).claim
+
+    def explain(conn: psycopg.Connection[Any]) -> str:
+        # As if every plan were worth compiling: the relay's session still does not.
+        conn.execute("SET jit_above_cost = 0")
+        with conn.transaction(force_rollback=True):
+            rows = conn.execute("EXPLAIN (ANALYZE) " + claim, params).fetchall()
+        return "\n".join(r[0] for r in rows)
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        enqueue_many(conn, [NewMessage("order", str(i), "order.created", {}) for i in range(20)])
+        jit_available = bool(conn.execute("SELECT pg_jit_available()").fetchone()[0])  # type: ignore[index]
+        if jit_available:
+            conn.execute("SET jit = on")
+            # The control: this server does compile such a plan in a plain session.
+            assert "JIT:" in explain(conn)
+    db = PoolDatabase(dsn, size=1, name="nojit", timeout=TIMEOUT)
+    try:
+        assert db.run(lambda conn: conn.execute("SHOW jit").fetchone()) == ("off",)
+        assert "JIT:" not in db.run(explain)
+    finally:
+        db.close()

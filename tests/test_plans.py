@@ -211,6 +211,7 @@ def one_params(message_id: int) -> dict[str, Any]:
         "error": None,
         "unless_begun": False,
         "now": None,
+        "relax": True,
     }
 
 
@@ -298,6 +299,7 @@ def test_in_flight_count_walks_the_leased_index(big: psycopg.Connection[Any]) ->
 def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], batch: int) -> None:
     ids = live_ids(big, batch)
     assert_probes_primary_key(explain(big, Q.finalize, finalize_params(ids)))
+    assert_probes_primary_key(explain(big, Q.finalize_done, fence_params(ids)))
     assert_probes_primary_key(explain(big, Q.extend_lease, fence_params(ids)))
     begin = {
         "ids": ids,
@@ -305,6 +307,7 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
         "needed": timedelta(seconds=10),
         "count_attempt": 1,
         "now": None,
+        "relax": True,
     }
     assert_probes_primary_key(explain(big, Q.begin, begin))
     # The per-message deliver task's own statements.
@@ -347,10 +350,11 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "all_ordered": "false",
         "ordered_types": "'{}'::text[]",
         "needed": "'10 seconds'::interval",
+        "relax": "true",
     }
     plans = {}
     try:
-        for name in ("finalize", "extend_lease", "begin", "claim"):
+        for name in ("finalize", "finalize_done", "extend_lease", "begin", "claim"):
             text, names = _to_positional(getattr(Q, name))
             big.execute(f"PREPARE plan_{name} AS {text}")
             args = ", ".join(literals[n] for n in names)
@@ -361,6 +365,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         big.execute("DEALLOCATE ALL")
         big.execute("RESET plan_cache_mode")
     assert_probes_primary_key(plans["finalize"])
+    assert_probes_primary_key(plans["finalize_done"])
     assert_probes_primary_key(plans["extend_lease"])
     assert_probes_primary_key(plans["begin"])
     assert_walks_only(plans["claim"], "CTE ready", "outbox_ready")
@@ -402,6 +407,7 @@ def test_finalize_probes_the_primary_key_when_statistics_are_thin(
     ids = live_ids(conn, 10)
     for batch in (ids[:1], ids):
         assert_probes_primary_key(explain(conn, Q.finalize, finalize_params(batch)))
+        assert_probes_primary_key(explain(conn, Q.finalize_done, fence_params(batch)))
         assert_probes_primary_key(explain(conn, Q.extend_lease, fence_params(batch)))
     assert_probes_primary_key(explain(conn, Q.finalize_one, one_params(ids[0])))
 

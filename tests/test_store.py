@@ -754,6 +754,37 @@ def test_deliver_releases_rows_with_too_little_lease_left(conn: psycopg.Connecti
     assert report.done == 3 and publisher.ids == ids
 
 
+def test_an_all_done_chunk_writes_what_the_general_finalize_writes(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # store.finalize writes a chunk whose every row is plainly done with a
+    # statement of its own (two arrays instead of seven): the same fence and
+    # the same row as the general statement, which a mixed chunk still uses.
+    ids = seed(conn, 6)
+    t0 = db_now(conn)
+    mine = claim(conn, t0, owner="A", lease=timedelta(seconds=10))
+    conn.execute("UPDATE outbox SET last_error = 'an earlier attempt failed'")
+    later = t0 + timedelta(seconds=11)
+    # A keeps ids[0:4]; ids[4:6] expire and B takes them over.
+    store.extend_leases(conn, mine[:4], lease=LEASE, now=t0 + 5 * SECOND)
+    theirs = claim(conn, later, owner="B")
+    assert [m.id for m in theirs] == ids[4:]
+    before = {i: row(conn, i) for i in ids[4:]}
+    short = [Outcome.done(m) for m in (mine[0], mine[1], mine[4])]
+    assert all(o.plainly_done for o in short)
+    assert store.finalize(conn, short, now=later) == {ids[0], ids[1]}
+    mixed = [Outcome.done(mine[2]), Outcome.dead(mine[3], error="permanent: no")]
+    assert not all(o.plainly_done for o in mixed)
+    assert store.finalize(conn, mixed, now=later) == {ids[2], ids[3]}
+    by_short, by_general = row(conn, ids[0]), row(conn, ids[2])
+    for key in ("status", "done_at", "last_error", "lease_owner", "lease_until", "attempts"):
+        assert by_short[key] == by_general[key], key
+    assert by_short["status"] == "done" and by_short["done_at"] == later
+    assert by_short["last_error"] is None and by_short["lease_until"] is None
+    for i in ids[4:]:
+        assert row(conn, i) == before[i], "a stale done changed B's row"
+
+
 def test_deliver_publishes_a_chunk_concurrently_and_finalizes_it(
     conn: psycopg.Connection[Any],
 ) -> None:
@@ -941,3 +972,25 @@ def test_dispatch_once_on_an_empty_queue_claims_nothing(conn: psycopg.Connection
     publisher = Recorder()
     assert dispatch_once(conn, publisher, owner="d") == 0
     assert publisher.messages == []
+
+
+def test_begin_relaxes_only_its_own_commit_never_its_callers(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # begin's own transaction commits without waiting for the WAL flush
+    # (queries.sql, begin); joined to a caller's transaction it must leave
+    # that transaction's durability alone.
+    seed(conn, 2)
+    mine = claim(conn, db_now(conn), owner="A")
+    conn.autocommit = False
+    try:
+        conn.execute("SELECT 1")  # the caller's transaction is open
+        began = store.begin(conn, [mine[0].ref], needed=timedelta(seconds=1))
+        assert set(began) == {mine[0].id}
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        conn.commit()
+    finally:
+        conn.autocommit = True
+    # Alone, on an autocommit connection, it relaxes its own transaction only.
+    assert set(store.begin(conn, [mine[1].ref], needed=timedelta(seconds=1))) == {mine[1].id}
+    assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)

@@ -40,11 +40,15 @@ from ..tracing import PublishTracer, default_tracer
 from .keeper import Hold, LeaseKeeper
 from .policy import RetryPolicy, classify
 
-__all__ = ["Deliverer", "DeliveryReport", "Observer", "Publisher"]
+__all__ = ["RAMP_SECONDS", "Deliverer", "DeliveryReport", "Observer", "Publisher"]
 
 log = logging.getLogger("outbox_relay.deliverer")
 
 Publisher = Callable[[Message], Any]
+
+# The longest a chunk's rows wait for their publishing threads to start when
+# the publisher has been fast (see Deliverer._publish_all).
+RAMP_SECONDS = 0.02
 
 
 class Observer(Protocol):
@@ -147,6 +151,8 @@ class Deliverer:
         self.tracer = default_tracer() if tracer == "default" else tracer
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        # How long a publish has taken lately (None: not known yet); see _publish_all.
+        self._publish_seconds: float | None = None
 
     def worst_seconds(self, size: int) -> float:
         """The longest a chunk of ``size`` may publish: its waves x the publish timeout."""
@@ -295,20 +301,44 @@ class Deliverer:
         run.slots = [None] * len(rows)
         position = iter(range(len(rows)))
         lock = threading.Lock()
+        all_taken = threading.Event()
 
         def take_rows() -> None:
             while True:
                 with lock:
                     index = next(position, None)
+                    if index is None or index == len(rows) - 1:
+                        all_taken.set()
                 if index is None:
                     return
                 run.slots[index] = self._publish(rows[index], hold, run.stop)
 
         pool = self._pool()
-        run.futures = [pool.submit(take_rows) for _ in range(min(self.concurrency, len(rows)))]
+        threads = min(self.concurrency, len(rows))
+        run.futures = [pool.submit(take_rows)]
+        # Ramp-up: a publisher that has been fast publishes a whole chunk in
+        # that one thread sooner than more threads would start (each costs a
+        # thread hand-off, as much as a fast publish). The rest start at
+        # once for a slow publisher, and otherwise as soon as the chunk is
+        # not all taken within RAMP_SECONDS: no row starts later than that
+        # beyond the usual waves, a sliver of the lease's spare fifth.
+        fast = self._publish_seconds is not None and (
+            self._publish_seconds * len(rows) < RAMP_SECONDS
+        )
+        if not fast or not all_taken.wait(RAMP_SECONDS):
+            run.futures += [pool.submit(take_rows) for _ in range(threads - 1)]
         for future in run.futures:
             future.result()
         run.results = [slot for slot in run.slots if slot is not None]
+        self._learn([seconds for _, seconds in run.results])
+
+    def _learn(self, seconds: Sequence[float]) -> None:
+        """Follow how long a publish takes (a moving average over chunks)."""
+        if not seconds:
+            return
+        mean = sum(seconds) / len(seconds)
+        last = self._publish_seconds
+        self._publish_seconds = mean if last is None else 0.8 * last + 0.2 * mean
 
     def _collect_after(self, exc: BaseException, run: _Run) -> None:
         """After an interruption: keep what finished; the rest goes back unpublished."""

@@ -90,17 +90,27 @@ SELECT 1;
 -- (Settings.synchronous_finalize = false); claims set it back (durable_commit).
 SET synchronous_commit = off;
 
--- name: set_statement_timeout
--- The server-side bounds of a relay connection (SET takes no bind
--- parameters; set_config does): every statement, and every wait for the
--- client inside a transaction. The second frees what a client that vanished
+-- name: relay_session
+-- A relay connection's session settings (SET takes no bind parameters;
+-- set_config does).
+--
+-- Its server-side bounds: every statement, and every wait for the client
+-- inside a transaction. The second frees what a client that vanished
 -- mid-transaction holds (found by the fault suite: a relay host cut off the
 -- network inside a claim kept the claim's advisory lock, and every other
 -- host's claim timed out behind it, until the server's TCP keepalive after
 -- hours). The relay never waits on anything but the database inside a
 -- transaction, so a healthy relay never reaches it.
+--
+-- And no JIT compilation. The planner prices the claim's per-aggregate
+-- ordering probe high once the table holds a few thousand rows, past
+-- jit_above_cost (PostgreSQL's default: JIT on); each claim then spent half a
+-- second compiling itself (seen in the durable-task benchmark: 560 ms of
+-- 569 ms, docs/benchmarks.md). The relay's statements are short index
+-- probes that JIT can only slow down.
 SELECT set_config('statement_timeout', %(value)s, false),
-       set_config('idle_in_transaction_session_timeout', %(value)s, false);
+       set_config('idle_in_transaction_session_timeout', %(value)s, false),
+       set_config('jit', 'off', false);
 
 -- name: durable_commit
 -- A claim bumps the fencing token; its commit must be durable even on a
@@ -228,6 +238,17 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type, pa
 -- to give back at once rather than publish into a lease that may end midway.
 -- A missing row means "not mine any more". (lease_until, not status: see
 -- finalize.)
+--
+-- With %(relax)s (the statement is a transaction of its own, never part of
+-- a caller's), its commit does not wait for the WAL flush: the joined
+-- set_config(..., true) sets synchronous_commit for that transaction. A
+-- delivery's one durable commit is its finalize, as a Celery task's one
+-- UPDATE and commit. WAL is written in order, so once a later commit is
+-- flushed this one is too; a database crash in between forgets only the
+-- attempt count and began_version of deliveries whose finalize never
+-- committed: their rows are retried as if the attempt had not begun (a
+-- duplicate at most, the fence unchanged; lease_version is only ever bumped
+-- by the claim, which commits durably).
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
@@ -236,7 +257,9 @@ UPDATE {table} AS o
        began_version = CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
            THEN o.lease_version ELSE o.began_version END
-  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version),
+       (SELECT set_config('synchronous_commit', CASE WHEN %(relax)s THEN 'off'
+               ELSE current_setting('synchronous_commit') END, true)) AS relaxed
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
@@ -249,7 +272,8 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
 
 -- name: begin_one
 -- begin for one message (the per-message deliver task): plain parameters
--- plan far cheaper than unnest() of one-element arrays.
+-- plan far cheaper than unnest() of one-element arrays. Its commit does not
+-- wait for the WAL flush either (see begin).
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
@@ -258,6 +282,8 @@ UPDATE {table} AS o
        began_version = CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
            THEN o.lease_version ELSE o.began_version END
+  FROM (SELECT set_config('synchronous_commit', CASE WHEN %(relax)s THEN 'off'
+               ELSE current_setting('synchronous_commit') END, true)) AS relaxed
  WHERE o.id = %(id)s
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
@@ -300,6 +326,22 @@ UPDATE {table} AS o
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
    AND NOT (v.unless_begun AND o.began_version IS NOT DISTINCT FROM o.lease_version)
+RETURNING o.id;
+
+-- name: finalize_done
+-- finalize for a chunk whose every row was published (the usual case): what
+-- finalize writes for a plain done, from two arrays instead of seven (a
+-- seventh of the parameters to encode and unnest). The same fence.
+UPDATE {table} AS o
+   SET status      = 'done',
+       last_error  = NULL,
+       done_at     = coalesce(%(now)s::timestamptz, now()),
+       lease_owner = NULL,
+       lease_until = NULL
+  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+ WHERE o.id = v.id
+   AND o.lease_version = v.version
+   AND o.lease_until IS NOT NULL
 RETURNING o.id;
 
 -- name: finalize_one

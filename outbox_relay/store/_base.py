@@ -17,9 +17,9 @@ __all__ = [
     "TableLike",
     "begin_caller_transaction",
     "clip",
+    "configure_relay_session",
     "queries",
     "relax_commit",
-    "set_statement_timeout",
     "statement_tx",
 ]
 
@@ -62,7 +62,7 @@ def relax_commit(conn: psycopg.Connection[Any]) -> None:
     conn.execute(queries(None).async_commit_session)
 
 
-def set_statement_timeout(conn: psycopg.Connection[Any], seconds: float) -> None:
+def configure_relay_session(conn: psycopg.Connection[Any], seconds: float) -> None:
     """Bound every statement, and every client wait inside a transaction, of
-    this session on the server (queries.sql ``set_statement_timeout``)."""
-    conn.execute(queries(None).set_statement_timeout, {"value": f"{int(seconds * 1000)}ms"})
+    this session on the server, and turn JIT off (queries.sql ``relay_session``)."""
+    conn.execute(queries(None).relay_session, {"value": f"{int(seconds * 1000)}ms"})

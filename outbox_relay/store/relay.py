@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, queries, statement_tx
@@ -172,6 +173,9 @@ def begin(
         return {}
     q = queries(table)
     count = 1 if count_attempt else 0
+    # Its own transaction (not a savepoint of the caller's): its commit need
+    # not wait for the WAL flush (queries.sql, begin).
+    relax = conn.info.transaction_status == TransactionStatus.IDLE
     if len(refs) == 1:
         one = {
             "id": refs[0].id,
@@ -179,6 +183,7 @@ def begin(
             "needed": needed,
             "count_attempt": count,
             "now": now,
+            "relax": relax,
         }
         with statement_tx(conn):
             rows = conn.execute(q.begin_one, one).fetchall()
@@ -189,6 +194,7 @@ def begin(
             "needed": needed,
             "count_attempt": count,
             "now": now,
+            "relax": relax,
         }
         with statement_tx(conn):
             rows = conn.execute(q.begin, params).fetchall()
@@ -229,6 +235,15 @@ def finalize(
         one = dict(zip(keys, _finalize_params(outcomes[0])), now=now)
         with statement_tx(conn) if savepoint else nullcontext():
             rows = conn.execute(q.finalize_one, one).fetchall()
+        return {r[0] for r in rows}
+    if all(o.plainly_done for o in outcomes):
+        fenced = {
+            "ids": [o.id for o in outcomes],
+            "versions": [o.lease_version for o in outcomes],
+            "now": now,
+        }
+        with statement_tx(conn) if savepoint else nullcontext():
+            rows = conn.execute(q.finalize_done, fenced).fetchall()
         return {r[0] for r in rows}
     columns = list(zip(*(_finalize_params(o) for o in outcomes)))
     keys = ("ids", "versions", "statuses", "delays", "refunds", "errors", "unless_begun")
