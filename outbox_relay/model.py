@@ -101,7 +101,9 @@ class Outcome:
     @property
     def plainly_done(self) -> bool:
         """Published and nothing else to write (``store.finalize``'s short form)."""
-        return self.status == "done" and not (self.refund_attempt or self.error or self.unless_begun)
+        return self.status == "done" and not (
+            self.refund_attempt or self.error or self.unless_begun
+        )
 
     @classmethod
     def done(cls, ref: LeaseRef | Claimed) -> Outcome:
