@@ -93,9 +93,9 @@ def _hint_claim(task: Any) -> None:
 
 def _min_room(task: Any) -> int:
     """A hint claims only once a quarter of a batch (or of the cap) is free."""
-    settings = _installation(task).settings
-    cap = settings.max_in_flight or settings.batch_size
-    return max(1, min(settings.batch_size, cap) // 4)
+    from .tasks import hint_room
+
+    return hint_room(_installation(task).settings)
 
 
 def begin_margin(lease_seconds: float) -> float:

@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
 from .compat import harden_redis_transport, reuse_redis_clients
+from .tasks import MAX_HELD_BACK_ROUNDS, hint_room
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
@@ -177,8 +178,15 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.connection = app.connection_for_write()
         producer = app.amqp.Producer(self.connection)
 
+        room = hint_room(s)
+
         def trigger() -> None:
-            claim.apply_async(serializer="json", producer=producer)
+            # "Claim if the cap leaves room (tasks.hint_room), else stop": a
+            # full cap belongs to a drain that claims again as its deliveries
+            # finish. Without this, a steady stream of NOTIFYs sent a claim
+            # every debounce window into a full cap, each one a held-back
+            # chain of its own.
+            claim.apply_async((MAX_HELD_BACK_ROUNDS, room), serializer="json", producer=producer)
 
         self.listener = NotifyListener(
             s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout

@@ -27,9 +27,10 @@ from .fanout import fan_out
 from .options import annotations_for
 
 if TYPE_CHECKING:
+    from ..config import Settings
     from .runtime import Installation
 
-__all__ = ["HELD_BACK_SECONDS", "MAX_HELD_BACK_ROUNDS", "register_tasks"]
+__all__ = ["HELD_BACK_SECONDS", "MAX_HELD_BACK_ROUNDS", "hint_room", "register_tasks"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -40,6 +41,21 @@ MAX_HELD_BACK_ROUNDS = 5
 # The first held-back round looks again after this long, each next one after
 # twice as long (0.1 + 0.2 + ... + 1.6 s in all).
 HELD_BACK_SECONDS = 0.1
+
+
+def hint_room(settings: Settings) -> int:
+    """The room a claim hint needs before it claims: a quarter of a batch (or
+    of the cap). A hint that finds less is one count of the live leases.
+
+    Hints are the claims sent as deliveries start or finish, after a NOTIFY,
+    or by a finished durable task; each would otherwise take whatever room
+    one finished chunk left (under a steady stream of new rows: claims of a
+    chunk each, and hints that found the cap full, took half the pool).
+    Beat's tick claims whatever the room.
+    """
+    cap = settings.max_in_flight or settings.batch_size
+    return max(1, min(settings.batch_size, cap) // 4)
+
 
 # shared=False: Celery would otherwise add a task to every app created in the
 # process, and a second app's relay tasks would run with the first app's
@@ -69,12 +85,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         # once its own rows are finished ("end": the round was cut short by
         # the in-flight cap, and only finished rows make room).
         if drain and drain != "end":
-            _send(claim)
+            _send(claim, (0, hint_room(inst.settings)))
         try:
             return after_delivery(inst.services().deliverer.deliver(refs))
         finally:
             if drain == "end":
-                _send(claim)
+                _send(claim, (0, hint_room(inst.settings)))
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
     def deliver(
@@ -110,7 +126,11 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver=deliver,
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
-                follow_up=(lambda producer: _send(claim, producer=producer)) if more else None,
+                follow_up=(
+                    (lambda producer: _send(claim, (0, hint_room(s)), producer=producer))
+                    if more
+                    else None
+                ),
                 prefetched=inst.prefetched,
                 capped=not result.full,
             )
@@ -121,7 +141,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # its rounds in milliseconds; the drain would then wait for
             # beat's tick. A short countdown is no retry of a message: a lost
             # claim hint costs one beat interval.
-            _send(claim, (int(held_back) + 1,), countdown=HELD_BACK_SECONDS * 2 ** int(held_back))
+            # min_room 1: a round that still finds the cap full is one count.
+            _send(
+                claim,
+                (int(held_back) + 1, max(1, int(min_room))),
+                countdown=HELD_BACK_SECONDS * 2 ** int(held_back),
+            )
         return {"claimed": len(result.claimed)}
 
     @app.task(name=names.RESCUE, **_TASK)  # type: ignore[untyped-decorator]

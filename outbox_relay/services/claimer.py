@@ -59,8 +59,8 @@ class Claimer:
             live = self.db.run(lambda conn: store.in_flight(conn, table=self.table))
             if self.max_in_flight - live < min_room:
                 return ClaimResult([], False, True)
-        claimed = self.db.run(
-            lambda conn: store.claim(
+        batch = self.db.run(
+            lambda conn: store.claim_batch(
                 conn,
                 owner=self.owner(),
                 batch=self.batch_size,
@@ -75,15 +75,5 @@ class Claimer:
             # the first batch would sit leased with no task to deliver it.
             retry=False,
         )
-        full = len(claimed) >= self.batch_size
-        capped = False
-        if not full and self.max_in_flight is not None:
-            # Not "live >= cap": deliveries finish while this runs, and a
-            # claim cut short by the cap then looked like the end of the
-            # backlog, stopping the drain until beat's next tick. Rows still
-            # due after a short claim mean the cap cut it short (or they are
-            # locked by a concurrent claim, or wait behind an aggregate's
-            # head: a few empty rounds, bounded by the claim task).
-            left = self.db.run(lambda conn: store.backlog(conn, table=self.table))
-            capped = left.due and (bool(claimed) or left.live >= self.max_in_flight)
-        return ClaimResult(claimed, full, capped)
+        full = len(batch.claimed) >= self.batch_size
+        return ClaimResult(batch.claimed, full, batch.capped)

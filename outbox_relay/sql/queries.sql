@@ -189,11 +189,15 @@ WITH ready AS (
                    AND (prev.ordered OR %(all_ordered)s
                         OR prev.event_type = ANY(%(ordered_types)s::text[]))))
      ORDER BY o.available_at, o.id
-     LIMIT greatest(0, least(%(batch)s::int, coalesce(%(room)s::int - (
-               SELECT count(*)
-                 FROM {table}
-                WHERE status = 'processing'
-                  AND lease_until >= coalesce(%(now)s::timestamptz, now())), %(batch)s::int)))
+     -- (store.claim_batch counts the live leases itself, under the lock, and
+     -- passes room NULL: the count here is then not made.)
+     LIMIT CASE WHEN %(room)s::int IS NULL THEN %(batch)s::int
+                ELSE greatest(0, least(%(batch)s::int, %(room)s::int - (
+                         SELECT count(*)
+                           FROM {table}
+                          WHERE status = 'processing'
+                            AND lease_until >= coalesce(%(now)s::timestamptz, now()))))
+           END
        FOR UPDATE SKIP LOCKED
 ), changed AS (
     UPDATE {table} AS o
@@ -386,19 +390,6 @@ SELECT count(*)
   FROM {table}
  WHERE status = 'processing'
    AND lease_until >= coalesce(%(now)s::timestamptz, now());
-
--- name: backlog
--- After a claim that took less than a batch: the live leases, and whether
--- rows are still due (the cap, not an empty queue, cut the claim short; the
--- drain goes on). The second probe stops at the first entry of the ready index.
-SELECT (SELECT count(*)
-          FROM {table}
-         WHERE status = 'processing'
-           AND lease_until >= coalesce(%(now)s::timestamptz, now())),
-       EXISTS (SELECT 1
-                 FROM {table}
-                WHERE status = 'pending'
-                  AND available_at <= coalesce(%(now)s::timestamptz, now()));
 
 -- name: listen
 -- {channel} is the table's notification channel (OutboxTable.channel).

@@ -19,12 +19,12 @@ from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, queries, statement_tx
 
 __all__ = [
-    "Backlog",
     "Began",
+    "ClaimBatch",
     "Rescued",
-    "backlog",
     "begin",
     "claim",
+    "claim_batch",
     "extend_lease",
     "extend_leases",
     "finalize",
@@ -110,33 +110,94 @@ def claim(
     Rows their producer marked ordered are claimed strictly in id order per
     aggregate; ``ordered`` adds event types (or ``True``: every row) for rows
     written unmarked. With ``max_in_flight``, live leases never exceed it:
-    concurrent claims of the table queue on one advisory lock for the
-    statement, so they cannot each see room and overshoot together.
+    concurrent claims of the table queue on one advisory lock, so they
+    cannot each see room and overshoot together.
     The Celery relay passes ``rescue_first=False`` (its rescuer runs on a
     tick of its own) and ``count_attempt=False`` (the delivery task counts
     the attempt when it begins).
     """
+    return claim_batch(
+        conn,
+        owner=owner,
+        batch=batch,
+        lease=lease,
+        max_attempts=max_attempts,
+        ordered=ordered,
+        max_in_flight=max_in_flight,
+        count_attempt=count_attempt,
+        rescue_first=rescue_first,
+        table=table,
+        now=now,
+    ).claimed
+
+
+@dataclass(frozen=True)
+class ClaimBatch:
+    """A claim, and how many rows it was allowed: the batch, or less when the
+    in-flight cap left less room. ``capped``: the cap, not the due rows,
+    ended it (claim again once deliveries finish)."""
+
+    claimed: list[Claimed]
+    limit: int
+    batch: int
+
+    @property
+    def capped(self) -> bool:
+        return self.limit < self.batch and len(self.claimed) >= self.limit
+
+
+def claim_batch(
+    conn: psycopg.Connection[Any],
+    *,
+    owner: str,
+    batch: int,
+    lease: timedelta,
+    max_attempts: int = 12,
+    ordered: bool | Iterable[str] = False,
+    max_in_flight: int | None = None,
+    count_attempt: bool = True,
+    rescue_first: bool = True,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> ClaimBatch:
+    """``claim``, saying whether the in-flight cap cut it short.
+
+    Under the cap's lock the live leases are counted first and the claim
+    takes at most the room left: a claim that took all of a room smaller
+    than its batch was cut short by the cap, one that took less found no
+    more due rows. (Telling the two apart after the claim, from the live
+    leases and the rows still due, could not be exact: deliveries finish
+    and producers commit meanwhile. With a steady stream of new rows every
+    short claim then looked cut short, each one started a drain of its
+    own, and claims that found nothing took most of the pool.)
+    """
     if batch <= 0:
-        return []
+        return ClaimBatch([], 0, batch)
     q = queries(table)
-    params: dict[str, Any] = {
-        "owner": owner,
-        "batch": batch,
-        "room": max_in_flight,
-        "lease": lease,
-        "max_attempts": max_attempts,
-        "count_attempt": 1 if count_attempt else 0,
-        "now": now,
-        **_ordered_params(ordered),
-    }
+    limit = batch
     with conn.transaction():
         conn.execute(q.durable_commit)
         if rescue_first:
             conn.execute(q.rescue, {"max_attempts": max_attempts, "batch": 1000, "now": now})
         if max_in_flight is not None:
             conn.execute(q.advisory_lock, {"key": f"{q.table.lock_key}:claim"})
+            row = conn.execute(q.in_flight, {"now": now}).fetchone()
+            limit = max(0, min(batch, max_in_flight - (int(row[0]) if row else 0)))
+        if limit == 0:
+            return ClaimBatch([], 0, batch)
+        params: dict[str, Any] = {
+            "owner": owner,
+            "batch": limit,
+            # Counted above, under the lock.
+            "room": None,
+            "lease": lease,
+            "max_attempts": max_attempts,
+            "count_attempt": 1 if count_attempt else 0,
+            "now": now,
+            **_ordered_params(ordered),
+        }
         rows = conn.execute(q.claim, params).fetchall()
-    return sorted((Claimed(*row) for row in rows), key=lambda c: c.id)
+    return ClaimBatch(sorted((Claimed(*row) for row in rows), key=lambda c: c.id), limit, batch)
 
 
 # ---------------------------------------------------------------- delivery
@@ -332,20 +393,3 @@ def in_flight(
     with statement_tx(conn):
         row = conn.execute(queries(table).in_flight, {"now": now}).fetchone()
     return int(row[0]) if row else 0
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """Live leases, and whether any row is due now."""
-
-    live: int
-    due: bool
-
-
-def backlog(
-    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
-) -> Backlog:
-    """Live leases and whether rows are still due, in one statement."""
-    with statement_tx(conn):
-        row = conn.execute(queries(table).backlog, {"now": now}).fetchone()
-    return Backlog(int(row[0]), bool(row[1])) if row else Backlog(0, False)
