@@ -994,3 +994,25 @@ def test_begin_relaxes_only_its_own_commit_never_its_callers(
     # Alone, on an autocommit connection, it relaxes its own transaction only.
     assert set(store.begin(conn, [mine[1].ref], needed=timedelta(seconds=1))) == {mine[1].id}
     assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+
+
+def test_a_claim_says_whether_the_cap_or_the_due_rows_ended_it(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # The drain goes on after a claim the in-flight cap cut short, not after
+    # one that found no more due rows (store.claim_batch): under a steady
+    # stream of new rows, the second kind started a drain each.
+    seed(conn, 10)
+    kwargs: dict[str, Any] = {"owner": "A", "lease": LEASE, "max_in_flight": 6}
+    first = store.claim_batch(conn, batch=4, **kwargs)
+    assert (len(first.claimed), first.limit, first.capped) == (4, 4, False)  # a full batch
+    second = store.claim_batch(conn, batch=4, **kwargs)
+    # Room for 2 under the cap of 6, both taken: the cap cut it short.
+    assert (len(second.claimed), second.limit, second.capped) == (2, 2, True)
+    third = store.claim_batch(conn, batch=4, **kwargs)
+    assert (third.claimed, third.limit, third.capped) == ([], 0, True)
+    store.finalize(conn, [Outcome.done(m) for m in first.claimed + second.claimed])
+    # Room for 6 again, 4 rows left: the due rows ended it.
+    last = store.claim_batch(conn, batch=8, **kwargs)
+    assert (len(last.claimed), last.limit, last.capped) == (4, 6, False)
+    assert store.in_flight(conn) == 4
