@@ -638,13 +638,14 @@ def latency(
 def _produce_at(dsn: str, messages: int, rate: float) -> float:
     """Commit ``messages`` paced to ``rate`` per second; return the rate reached.
 
-    One message per transaction up to 250 transactions a second per thread,
-    and above that a few per transaction (at most 500 transactions a
-    second in all): on two shared cores, thousands of single-message
-    commits a second would leave the relay nothing to run on, and the
-    figure would be the producers' own queueing."""
+    One message per transaction up to 500 transactions a second, and above
+    that a few per transaction, from up to 8 threads: on two shared cores,
+    thousands of single-message commits a second would leave the relay
+    nothing to run on, and the figure would be the producers' own queueing."""
     per_tx = max(1, -(-int(rate) // 500))
-    threads = max(1, min(4, int(rate // per_tx // 250) + 1))
+    # A commit waits for its WAL flush: a few milliseconds each here, so a
+    # thread commits about a hundred transactions a second.
+    threads = max(1, min(8, -(-int(rate / per_tx) // 100)))
     per_thread = rate / threads
     share = [messages // threads + (1 if i < messages % threads else 0) for i in range(threads)]
 

@@ -187,9 +187,17 @@ def fan_out(
                     send_durable(app, settings, producer, chunk[0], sends)
                     continue
                 refs = [c.ref for c in chunk]
-                options = {**common, "producer": producer, "argsrepr": argsrepr(refs)}
+                # Both reprs given: Celery would otherwise saferepr() each
+                # task's arguments (a twentieth of a per-message fan-out).
+                options = {
+                    **common,
+                    "producer": producer,
+                    "argsrepr": argsrepr(refs),
+                    "kwargsrepr": "{}",
+                }
                 if number == plan.marked:
                     options["kwargs"] = {"drain": plan.when}
+                    options["kwargsrepr"] = repr(options["kwargs"])
                 if len(refs) == 1:
                     deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
                 else:
