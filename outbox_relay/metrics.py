@@ -166,6 +166,9 @@ class MetricsObserver:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.metrics = worker_metrics(registry)
+        # The counter's children by (event type, outcome): labels() looks
+        # its arguments up anew on every call, once per delivered message.
+        self._published: dict[tuple[str, str], Any] = {}
 
     def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
         self.metrics.publish_duration.observe(max(seconds, 0.0))
@@ -173,8 +176,12 @@ class MetricsObserver:
     def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
         # Counted here, not in published(): only what the fenced finalize
         # wrote happened; a lost lease's outcome was thrown away.
-        label = _OUTCOME.get(outcome.status, outcome.status)
-        self.metrics.published.labels(event_type=msg.event_type, outcome=label).inc()
+        key = (msg.event_type, _OUTCOME.get(outcome.status, outcome.status))
+        child = self._published.get(key)
+        if child is None:
+            child = self.metrics.published.labels(event_type=key[0], outcome=key[1])
+            self._published[key] = child
+        child.inc()
         if outcome.status == "done":
             self.metrics.delivery_latency.observe(max(age_seconds, 0.0))
 
