@@ -211,7 +211,6 @@ def one_params(message_id: int) -> dict[str, Any]:
         "error": None,
         "unless_begun": False,
         "now": None,
-        "relax": True,
     }
 
 
@@ -307,7 +306,6 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
         "needed": timedelta(seconds=10),
         "count_attempt": 1,
         "now": None,
-        "relax": True,
     }
     assert_probes_primary_key(explain(big, Q.begin, begin))
     # The per-message deliver task's own statements.
@@ -350,7 +348,6 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "all_ordered": "false",
         "ordered_types": "'{}'::text[]",
         "needed": "'10 seconds'::interval",
-        "relax": "true",
     }
     plans = {}
     try:

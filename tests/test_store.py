@@ -974,28 +974,6 @@ def test_dispatch_once_on_an_empty_queue_claims_nothing(conn: psycopg.Connection
     assert publisher.messages == []
 
 
-def test_begin_relaxes_only_its_own_commit_never_its_callers(
-    conn: psycopg.Connection[Any],
-) -> None:
-    # begin's own transaction commits without waiting for the WAL flush
-    # (queries.sql, begin); joined to a caller's transaction it must leave
-    # that transaction's durability alone.
-    seed(conn, 2)
-    mine = claim(conn, db_now(conn), owner="A")
-    conn.autocommit = False
-    try:
-        conn.execute("SELECT 1")  # the caller's transaction is open
-        began = store.begin(conn, [mine[0].ref], needed=timedelta(seconds=1))
-        assert set(began) == {mine[0].id}
-        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-        conn.commit()
-    finally:
-        conn.autocommit = True
-    # Alone, on an autocommit connection, it relaxes its own transaction only.
-    assert set(store.begin(conn, [mine[1].ref], needed=timedelta(seconds=1))) == {mine[1].id}
-    assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
-
-
 def test_a_claim_says_whether_the_cap_or_the_due_rows_ended_it(
     conn: psycopg.Connection[Any],
 ) -> None:

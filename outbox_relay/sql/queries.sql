@@ -242,17 +242,6 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type, pa
 -- to give back at once rather than publish into a lease that may end midway.
 -- A missing row means "not mine any more". (lease_until, not status: see
 -- finalize.)
---
--- With %(relax)s (the statement is a transaction of its own, never part of
--- a caller's), its commit does not wait for the WAL flush: the joined
--- set_config(..., true) sets synchronous_commit for that transaction. A
--- delivery's one durable commit is its finalize, as a Celery task's one
--- UPDATE and commit. WAL is written in order, so once a later commit is
--- flushed this one is too; a database crash in between forgets only the
--- attempt count and began_version of deliveries whose finalize never
--- committed: their rows are retried as if the attempt had not begun (a
--- duplicate at most, the fence unchanged; lease_version is only ever bumped
--- by the claim, which commits durably).
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
@@ -261,9 +250,7 @@ UPDATE {table} AS o
        began_version = CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
            THEN o.lease_version ELSE o.began_version END
-  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version),
-       (SELECT set_config('synchronous_commit', CASE WHEN %(relax)s THEN 'off'
-               ELSE current_setting('synchronous_commit') END, true)) AS relaxed
+  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
@@ -276,8 +263,7 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
 
 -- name: begin_one
 -- begin for one message (the per-message deliver task): plain parameters
--- plan far cheaper than unnest() of one-element arrays. Its commit does not
--- wait for the WAL flush either (see begin).
+-- plan far cheaper than unnest() of one-element arrays.
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
@@ -286,8 +272,6 @@ UPDATE {table} AS o
        began_version = CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
            THEN o.lease_version ELSE o.began_version END
-  FROM (SELECT set_config('synchronous_commit', CASE WHEN %(relax)s THEN 'off'
-               ELSE current_setting('synchronous_commit') END, true)) AS relaxed
  WHERE o.id = %(id)s
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL

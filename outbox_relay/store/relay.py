@@ -13,7 +13,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 
 from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, queries, statement_tx
@@ -234,9 +233,6 @@ def begin(
         return {}
     q = queries(table)
     count = 1 if count_attempt else 0
-    # Its own transaction (not a savepoint of the caller's): its commit need
-    # not wait for the WAL flush (queries.sql, begin).
-    relax = conn.info.transaction_status == TransactionStatus.IDLE
     if len(refs) == 1:
         one = {
             "id": refs[0].id,
@@ -244,7 +240,6 @@ def begin(
             "needed": needed,
             "count_attempt": count,
             "now": now,
-            "relax": relax,
         }
         with statement_tx(conn):
             rows = conn.execute(q.begin_one, one).fetchall()
@@ -255,7 +250,6 @@ def begin(
             "needed": needed,
             "count_attempt": count,
             "now": now,
-            "relax": relax,
         }
         with statement_tx(conn):
             rows = conn.execute(q.begin, params).fetchall()

@@ -53,12 +53,6 @@ LEASE_LOST = "lease lost after publish"
 # An earlier attempt's request, held up in the network, reaching the receiver
 # after a later attempt (under a newer lease) was applied.
 LATE_REQUEST = "stale request arrived late"
-# A database crash undid a delivery's begin (it commits without waiting for
-# the WAL flush, docs/reliability.md) after its publish and before its
-# finalize: the row went back to its previous attempt count and the next
-# lease's delivery counted the same attempt again. The call log shows it as
-# one attempt number under two lease versions.
-FORGOTTEN_BEGIN = "attempt forgotten in a database crash"
 
 # Relay settings for the scenarios: short leases and ticks so a fault costs
 # seconds, not minutes; the rest are the defaults a user gets.
@@ -344,9 +338,6 @@ class Run:
         unexplained: list[str] = []
         outcome_of = {(m, a): o for m, a, _, o in calls}
         version_of = {(m, a): v for m, a, v, _ in calls}
-        leases_of: dict[tuple[int, int], set[Any]] = {}
-        for m, a, v, _ in calls:
-            leases_of.setdefault((m, a), set()).add(v)
         applied_at: dict[int, tuple[int, str]] = {}
         duplicates = 0
         for message_id, attempt, verdict in deliveries:
@@ -363,12 +354,6 @@ class Run:
                 why = self._explain(
                     message_id, first_attempt, first_verdict, attempt, outcome_of, version_of
                 )
-                if (
-                    why is None
-                    and attempt == first_attempt
-                    and len(leases_of.get((message_id, attempt), ())) > 1
-                ):
-                    why = FORGOTTEN_BEGIN
                 if why is not None and why in allow:
                     explained[why] += 1
                 else:
