@@ -122,7 +122,6 @@ def test_relay_sessions_never_jit_compile_their_statements(dsn: str) -> None:
     params = {
         "owner": "w",
         "batch": 10,
-        "room": None,
         "lease": timedelta(seconds=60),
         "max_attempts": 12,
         "count_attempt": 0,

@@ -184,11 +184,10 @@ def assert_probes_primary_key(plan: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- parameters
-def claim_params(ordered: bool | list[str] = False, room: int | None = 1000) -> dict[str, Any]:
+def claim_params(ordered: bool | list[str] = False) -> dict[str, Any]:
     return {
         "owner": "w",
         "batch": 50,
-        "room": room,
         "lease": LEASE,
         "max_attempts": 12,
         "count_attempt": 0,
@@ -247,25 +246,11 @@ def test_fixture_holds_a_million_finished_rows(big: psycopg.Connection[Any]) -> 
     assert row is not None and row[0] >= FINISHED_ROWS
 
 
-def assert_counts_live_leases_on_the_leased_index(plan: dict[str, Any]) -> None:
-    """The in-flight count (an InitPlan of the claim's LIMIT) reads outbox_leased only."""
-    counts = [
-        node
-        for node in nodes(plan)
-        if node.get("Subplan Name", "").startswith("InitPlan")
-        and {index for _, index in outbox_scans(node)} == {"outbox_leased"}
-    ]
-    assert counts, f"the live-lease count does not walk outbox_leased:\n{describe(plan)}"
-
-
-@pytest.mark.parametrize("room", [1000, None], ids=["capped", "uncapped"])
-def test_claim_walks_the_ready_index_and_counts_on_the_leased_one(
-    big: psycopg.Connection[Any], room: int | None
-) -> None:
-    plan = explain(big, Q.claim, claim_params(room=room))
+def test_claim_walks_the_ready_index(big: psycopg.Connection[Any]) -> None:
+    # The in-flight count the claim is limited by (store.claim_batch) is
+    # in_flight's, on the leased index: test_in_flight_count_walks_the_leased_index.
+    plan = explain(big, Q.claim, claim_params())
     assert_walks_only(plan, "CTE ready", "outbox_ready")
-    if room is not None:
-        assert_counts_live_leases_on_the_leased_index(plan)
     assert "Seq Scan" not in {kind for kind, _ in outbox_scans(plan)}, describe(plan)
 
 
@@ -343,7 +328,6 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "batch": "50",
         "lease": "'60 seconds'::interval",
         "max_attempts": "12",
-        "room": "1000",
         "count_attempt": "0",
         "all_ordered": "false",
         "ordered_types": "'{}'::text[]",
@@ -351,7 +335,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
     }
     plans = {}
     try:
-        for name in ("finalize", "finalize_done", "extend_lease", "begin", "claim"):
+        for name in ("finalize", "finalize_done", "extend_lease", "begin", "claim", "in_flight"):
             text, names = _to_positional(getattr(Q, name))
             big.execute(f"PREPARE plan_{name} AS {text}")
             args = ", ".join(literals[n] for n in names)
@@ -366,7 +350,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
     assert_probes_primary_key(plans["extend_lease"])
     assert_probes_primary_key(plans["begin"])
     assert_walks_only(plans["claim"], "CTE ready", "outbox_ready")
-    assert_counts_live_leases_on_the_leased_index(plans["claim"])
+    assert {index for _, index in outbox_scans(plans["in_flight"])} == {"outbox_leased"}
 
 
 # ---------------------------------------------------------------- thin statistics

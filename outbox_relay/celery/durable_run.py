@@ -62,7 +62,7 @@ _RETRY_OPTIONS = (
 
 
 # A finished run frees a lease; at most this often per process it asks for a
-# claim (which claims only when enough leases are free, see _min_room). The
+# claim (which claims only when enough leases are free, see tasks.hint_room). The
 # relay's own resumption after its in-flight cap (a claim queued behind the
 # deliveries) does not work for tasks on queues of their own, and beat's tick
 # alone would pace a capped relay at one batch per interval.
@@ -77,7 +77,7 @@ def _hint_claim(task: Any) -> None:
         if now - _last_hint[0] < CLAIM_HINT_SECONDS:
             return
         _last_hint[0] = now
-    from .tasks import MAX_HELD_BACK_ROUNDS
+    from .tasks import MAX_HELD_BACK_ROUNDS, hint_room
 
     claim = task.app.tasks.get(names.CLAIM)
     if claim is None:
@@ -86,16 +86,11 @@ def _hint_claim(task: Any) -> None:
         # Sent as the last held-back round: a hint that finds the cap still
         # reached stops there (the next finished run hints again) instead of
         # starting a chain of claims that only count the cap.
-        claim.apply_async((MAX_HELD_BACK_ROUNDS, _min_room(task)), serializer="json")
+        claim.apply_async(
+            (MAX_HELD_BACK_ROUNDS, hint_room(_installation(task).settings)), serializer="json"
+        )
     except Exception:  # a hint; beat's tick is the safety net
         log.debug("could not send a claim hint", exc_info=True)
-
-
-def _min_room(task: Any) -> int:
-    """A hint claims only once a quarter of a batch (or of the cap) is free."""
-    from .tasks import hint_room
-
-    return hint_room(_installation(task).settings)
 
 
 def begin_margin(lease_seconds: float) -> float:

@@ -132,7 +132,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                     else None
                 ),
                 prefetched=inst.prefetched,
-                capped=not result.full,
+                capped=result.capped,
             )
         elif result.capped and int(held_back) < MAX_HELD_BACK_ROUNDS:
             # Backpressure: look again once deliveries had time to finish. At

@@ -155,9 +155,9 @@ UPDATE {table} AS o
 RETURNING o.id, o.status;
 
 -- name: claim
--- Lease up to %(batch)s due pending rows, at most %(room)s of them (NULL: no
--- cap) where room = the in-flight cap minus the live leases. Expired leases
--- are not taken here: the rescuer turns them back into pending rows first.
+-- Lease up to %(batch)s due pending rows (store.claim_batch makes it no more
+-- than the in-flight cap leaves). Expired leases are not taken here: the
+-- rescuer turns them back into pending rows first.
 --
 -- An ordered row (marked by its producer, or of an event type in
 -- %(ordered_types)s, or every row when %(all_ordered)s) is claimable only
@@ -189,15 +189,9 @@ WITH ready AS (
                    AND (prev.ordered OR %(all_ordered)s
                         OR prev.event_type = ANY(%(ordered_types)s::text[]))))
      ORDER BY o.available_at, o.id
-     -- (store.claim_batch counts the live leases itself, under the lock, and
-     -- passes room NULL: the count here is then not made.)
-     LIMIT CASE WHEN %(room)s::int IS NULL THEN %(batch)s::int
-                ELSE greatest(0, least(%(batch)s::int, %(room)s::int - (
-                         SELECT count(*)
-                           FROM {table}
-                          WHERE status = 'processing'
-                            AND lease_until >= coalesce(%(now)s::timestamptz, now()))))
-           END
+     -- Under the in-flight cap, store.claim_batch has already counted the
+     -- live leases (in_flight, under the claim's lock) into %(batch)s.
+     LIMIT %(batch)s::int
        FOR UPDATE SKIP LOCKED
 ), changed AS (
     UPDATE {table} AS o

@@ -187,8 +187,6 @@ def claim_batch(
         params: dict[str, Any] = {
             "owner": owner,
             "batch": limit,
-            # Counted above, under the lock.
-            "room": None,
             "lease": lease,
             "max_attempts": max_attempts,
             "count_attempt": 1 if count_attempt else 0,
