@@ -1,0 +1,11 @@
+-- Leave room on each page for a row's next version.
+--
+-- A delivery updates its row twice (begin, then finalize). begin changes no
+-- indexed column, so PostgreSQL can write its new version as a heap-only
+-- tuple (HOT: no new entry in any of the six indexes), but only when the
+-- row's page has room for it; on pages packed full by inserts (fillfactor
+-- 100) few did. With three tenths of each page kept free, begin
+-- is mostly HOT and the indexes bloat less between vacuums. Applies to
+-- pages written from now on; SHARE UPDATE EXCLUSIVE, so inserts, claims and
+-- finalizes go on while it runs.
+ALTER TABLE {table} SET (fillfactor = 70);
