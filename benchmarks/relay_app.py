@@ -32,13 +32,3 @@ if os.environ.get("BENCH_ACK_EMULATION") == "false":
 @worker_process_init.connect  # type: ignore[untyped-decorator]
 def _count_in_child(**_: Any) -> None:
     counting.install()
-
-
-if os.environ.get("BENCH_ACK_EMULATION") == "false":
-    # The relay's tasks are hints (the database is the truth): a lost one
-    # costs a lease, so the Redis transport's unacked bookkeeping is optional
-    # for them. Measured as a variant, not the default.
-    app.conf.broker_transport_options = {
-        **(app.conf.broker_transport_options or {}),
-        "ack_emulation": False,
-    }
