@@ -294,15 +294,8 @@ def _hot_updates(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-@pytest.mark.parametrize("fillfactor", [None, 100])
-def test_begin_updates_rows_in_place(conn: psycopg.Connection[Any], fillfactor: Any) -> None:
-    # Migration 0007 keeps three tenths of each page free, so that begin
-    # (which changes no indexed column) writes heap-only tuples instead of
-    # an entry in each of the table's indexes. fillfactor=100: the control,
-    # pages packed full as before the migration.
-    conn.autocommit = True
-    if fillfactor is not None:
-        conn.execute(f"ALTER TABLE outbox SET (fillfactor = {int(fillfactor)})")
+def _begins_in_place(conn: psycopg.Connection[Any]) -> float:
+    """Enqueue, claim and begin 400 rows; the share of begins written in place."""
     with conn.transaction():
         for i in range(400):
             outbox_relay.enqueue(
@@ -317,10 +310,21 @@ def test_begin_updates_rows_in_place(conn: psycopg.Connection[Any], fillfactor: 
     assert len(began) == 400
     updates_after, hot_after = _hot_updates(conn)
     assert updates_after - updates == 400
-    in_place = (hot_after - hot) / 400
-    # Measured: 0.61 with the migration's 70 (the room a page has left after
-    # the claim's new versions), 0.04 with pages packed full.
-    if fillfactor is None:
-        assert in_place >= 0.5, in_place
-    else:
-        assert in_place < 0.2, in_place
+    return (hot_after - hot) / 400
+
+
+def test_begin_updates_rows_in_place(conn: psycopg.Connection[Any]) -> None:
+    # Migration 0007 keeps three tenths of each page free, so that begin
+    # (which changes no indexed column) writes heap-only tuples instead of
+    # an entry in each of the table's indexes. The control, in the same
+    # database: fillfactor=100, pages packed full as before the migration.
+    conn.autocommit = True
+    with_room = _begins_in_place(conn)
+    conn.execute("TRUNCATE outbox")
+    conn.execute("ALTER TABLE outbox SET (fillfactor = 100)")
+    packed = _begins_in_place(conn)
+    # Measured: 0.61 and 0.04 here alone, 0.24 with room in CI beside other
+    # tests (how much a page can take depends on pruning, which concurrent
+    # snapshots hold back); the control never came near.
+    assert with_room >= 0.15, (with_room, packed)
+    assert with_room >= 3 * packed, (with_room, packed)
