@@ -33,7 +33,12 @@ class LeaseRef:
 
 @dataclass(frozen=True)
 class Claimed:
-    """A row this worker leased. ``False`` from a finalize means the lease was lost."""
+    """A row this worker leased. ``False`` from a finalize means the lease was lost.
+
+    From a claim without content (the Celery relay's, ``store.claim_batch(...,
+    content=False)``) ``payload`` is None and ``headers`` empty, except for a
+    durable Celery task's row; ``store.begin`` returns the full row.
+    """
 
     id: int
     lease_version: int

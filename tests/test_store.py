@@ -994,3 +994,51 @@ def test_a_claim_says_whether_the_cap_or_the_due_rows_ended_it(
     last = store.claim_batch(conn, batch=8, **kwargs)
     assert (len(last.claimed), last.limit, last.capped) == (4, 6, False)
     assert store.in_flight(conn) == 4
+
+
+def test_a_claim_without_content_leaves_payloads_to_begin(conn: psycopg.Connection[Any]) -> None:
+    # The Celery relay's claim (content=False) carries leases only: the
+    # delivery task reads each row as it begins. A durable task's row keeps
+    # its content: the fan-out sends it as the task itself.
+    plain = enqueue(
+        conn,
+        aggregate_type="order",
+        aggregate_id="1",
+        event_type="order.paid",
+        payload={"n": 1},
+        headers={"trace": "x"},
+    )
+    bare = enqueue(
+        conn, aggregate_type="order", aggregate_id="2", event_type="order.paid", payload=[2]
+    )
+    [durable] = enqueue_many(
+        conn,
+        [
+            NewMessage(
+                "celery",
+                "t",
+                "celery.durable",
+                {"task": "t", "id": "t-1"},
+                headers={"lease_seconds": 30},
+            )
+        ],
+        allow_reserved=True,
+    )
+    conn.commit()
+    claimed = store.claim_batch(
+        conn, owner="A", batch=10, lease=LEASE, count_attempt=False, content=False
+    ).claimed
+    by_id = {c.id: c for c in claimed}
+    assert [(c.id, c.event_type, c.payload, c.headers) for c in claimed] == [
+        (plain, "order.paid", None, {}),
+        (bare, "order.paid", None, {}),
+        (durable, "celery.durable", {"task": "t", "id": "t-1"}, {"lease_seconds": 30}),
+    ]
+    began = store.begin(conn, [by_id[plain].ref, by_id[bare].ref], needed=SECOND)
+    conn.commit()
+    assert began[plain].claimed.payload == {"n": 1}
+    assert began[plain].claimed.headers == {"trace": "x"}
+    # Empty headers come back NULL from begin, and as an empty dict here.
+    assert began[bare].claimed.payload == [2]
+    assert began[bare].claimed.headers == {}
+    assert began[bare].claimed.to_message().headers == {}

@@ -17,6 +17,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from kombu.common import Broadcast
+
 from ..config import Settings
 from ..db import Database
 from ..model import Claimed, LeaseRef, Outcome
@@ -110,6 +112,25 @@ def _batched(producer: Any) -> AbstractContextManager[Any]:
     return batch() if batch is not None else nullcontext()
 
 
+def _declare_once(app: Any, producer: Any, task_names: Sequence[str]) -> list[Any]:
+    """Declare the queues these tasks are routed to; what ``declare=`` then takes.
+
+    Celery declares a task's queue with every message it sends (kombu
+    caches the declaration per connection, but binds a copy of the queue
+    each time: a fifth of a per-message fan-out). Declared here once per
+    round, on this producer's connection, so a broker that lost its queue
+    (restarted without it) has it again before the round is sent, and each
+    message is sent with ``declare=[]``. A queue name that only a route
+    knows is still declared (the route gives the Queue object).
+    """
+    for name in task_names:
+        queue = app.amqp.router.route({}, name, (), {}).get("queue")
+        # Celery never declares a broadcast queue for a sent task either.
+        if queue is not None and not isinstance(queue, (str, Broadcast)):
+            producer.maybe_declare(queue)
+    return []
+
+
 def fan_out(
     app: Any,
     settings: Settings,
@@ -179,6 +200,9 @@ def fan_out(
     common["add_to_parent"] = False
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
+            # Each delivery task's queue declared once per round, not per
+            # message (a fifth of a per-message fan-out, see _declare_once).
+            common["declare"] = _declare_once(app, producer, (deliver.name, deliver_batch.name))
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
                     assert follow_up is not None

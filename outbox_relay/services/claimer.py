@@ -69,6 +69,9 @@ class Claimer:
                 max_in_flight=self.max_in_flight,
                 count_attempt=False,
                 rescue_first=False,
+                # The delivery reads each row as it begins; the claim needs
+                # only the leases (and a durable task's row, sent as itself).
+                content=False,
                 table=self.table,
             ),
             # Never repeat a claim whose COMMIT may have reached the server:

@@ -156,10 +156,15 @@ def claim_batch(
     max_in_flight: int | None = None,
     count_attempt: bool = True,
     rescue_first: bool = True,
+    content: bool = True,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> ClaimBatch:
     """``claim``, saying whether the in-flight cap cut it short.
+
+    ``content=False`` leaves each row's payload (None) and headers (empty)
+    out, except a durable Celery task's row: for a claim whose rows are
+    delivered by ``begin``, which reads them again.
 
     Under the cap's lock the live leases are counted first and the claim
     takes at most the room left: a claim that took all of a room smaller
@@ -190,11 +195,12 @@ def claim_batch(
             "lease": lease,
             "max_attempts": max_attempts,
             "count_attempt": 1 if count_attempt else 0,
+            "content": content,
             "now": now,
             **_ordered_params(ordered),
         }
         rows = conn.execute(q.claim, params).fetchall()
-    return ClaimBatch(sorted((Claimed(*row) for row in rows), key=lambda c: c.id), limit, batch)
+    return ClaimBatch(sorted(map(_claimed, rows), key=lambda c: c.id), limit, batch)
 
 
 # ---------------------------------------------------------------- delivery
@@ -209,8 +215,14 @@ class Began:
     started: bool = True
 
 
+def _claimed(row: Sequence[Any]) -> Claimed:
+    # Headers come back NULL where the statement leaves them out (empty, or
+    # a claim without content).
+    return Claimed(*row[:7], row[7] or {}, *row[8:12])
+
+
 def _began(row: Sequence[Any]) -> Began:
-    return Began(Claimed(*row[:12]), row[12], row[13], bool(row[14]))
+    return Began(_claimed(row), row[12], row[13], bool(row[14]))
 
 
 def begin(
