@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -212,35 +213,53 @@ def test_retry_after_is_honoured_but_capped(conn: psycopg.Connection[Any]) -> No
     assert soon.delay == timedelta(seconds=600)
 
 
-def test_an_interrupted_chunk_finalizes_what_was_published(conn: psycopg.Connection[Any]) -> None:
-    ids = seed(conn, 4)
-    claimed = store.claim(conn, owner="w", batch=4, lease=LEASE)
-    hang = threading.Event()
-
-    def publish(message: Message) -> None:
-        if message.payload["n"] >= 2:
-            hang.wait(10)  # still publishing when the soft time limit fires
-
+def _deliver_until_soft_limit(deliverer: Deliverer, refs: list[Any], after: float = 0.5) -> None:
     def soft_limit(signum: int, frame: Any) -> None:
         raise SoftTimeLimitExceeded()  # what billiard raises in the task's thread
 
-    deliverer = Deliverer(publish, db=DirectDatabase(conn), concurrency=4, publish_timeout=1)
     previous = signal.signal(signal.SIGALRM, soft_limit)
-    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    signal.setitimer(signal.ITIMER_REAL, after)
     try:
         with pytest.raises(SoftTimeLimitExceeded):
-            deliverer.deliver([m.ref for m in claimed])
+            deliverer.deliver(refs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_interrupted_chunk_finalizes_what_was_published(conn: psycopg.Connection[Any]) -> None:
+    # Two publishing threads for five rows: row 0 is published, rows 1 and 2
+    # are still publishing when the soft time limit fires, rows 3 and 4 were
+    # never started.
+    ids = seed(conn, 5)
+    claimed = store.claim(conn, owner="w", batch=5, lease=LEASE)
+    hang = threading.Event()
+    calls: list[int] = []
+
+    def publish(message: Message) -> None:
+        calls.append(message.payload["n"])
+        if message.payload["n"] >= 1:
+            hang.wait(10)  # still publishing when the soft time limit fires
+
+    deliverer = Deliverer(publish, db=DirectDatabase(conn), concurrency=2, publish_timeout=1)
+    try:
+        _deliver_until_soft_limit(deliverer, [m.ref for m in claimed])
+    finally:
         hang.set()
         deliverer.close()
     by_id = {r[0]: r for r in rows(conn)}
-    # The two published ones are done; the two interrupted ones are given back
-    # (their attempt refunded), not left leased until the lease expires.
-    assert [by_id[i][1] for i in ids] == ["done", "done", "pending", "pending"]
-    assert [by_id[i][2] for i in ids[2:]] == [0, 0]
-    assert all("interrupted" in by_id[i][3] for i in ids[2:])
+    assert sorted(calls) == [0, 1, 2]
+    # The published one is done. The two still publishing keep their leases
+    # (attempt counted): given back now, each would be claimed and published
+    # again while its first publish may still reach the receiver, both under
+    # attempt 1. The lease lapses and the rescuer frees them. The two never
+    # started are given back at once, their attempt refunded.
+    assert [by_id[i][1] for i in ids] == ["done", "processing", "processing", "pending", "pending"]
+    assert [by_id[i][2] for i in ids] == [1, 1, 1, 0, 0]
+    assert all("interrupted" in by_id[i][3] for i in ids[3:])
+    # Nothing more is published once the task was interrupted.
+    time.sleep(0.2)
+    assert sorted(calls) == [0, 1, 2]
 
 
 def test_a_claim_is_never_repeated_after_a_broken_connection(dsn: str) -> None:

@@ -14,7 +14,10 @@
   someone else holds the row now, and the receiver absorbs the duplicate
   through the idempotency key.
 * A soft time limit (or any interruption) while a chunk publishes still
-  finalizes what was published and gives back what was not, then re-raises.
+  finalizes what was published and gives back what never started, then
+  re-raises. A row whose publish is still running in another thread keeps
+  its lease until it lapses: handed out again at once, it would be published
+  a second time beside the first, under the same attempt number.
 """
 
 from __future__ import annotations
@@ -82,12 +85,15 @@ class DeliveryReport:
     stale: int = 0
     released: int = 0
     lost: int = 0
+    # Still publishing when the task was interrupted: left to their leases.
+    left_leased: int = 0
     # Ordered messages finished: their aggregates' next messages are due now.
     ordered_finished: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
 
     def add(self, other: DeliveryReport) -> None:
-        for name in ("done", "retried", "dead", "stale", "released", "lost", "ordered_finished"):
+        names = ("done", "retried", "dead", "stale", "released", "lost", "left_leased")
+        for name in (*names, "ordered_finished"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.outcomes.extend(other.outcomes)
 
@@ -99,7 +105,15 @@ class _NotPublished:
         self.reason = reason
 
 
-_Result = tuple["BaseException | _NotPublished | None", float]
+class _Unfinished:
+    """A publish the interruption caught under way: it may have reached the
+    receiver. ``running``: still under way in a publishing thread."""
+
+    def __init__(self, running: bool) -> None:
+        self.running = running
+
+
+_Result = tuple["BaseException | _NotPublished | _Unfinished | None", float]
 
 
 @dataclass
@@ -110,6 +124,9 @@ class _Run:
     futures: list[Future[None]] = field(default_factory=list)
     # Filled by the publishing threads, one slot per row, in row order.
     slots: list[_Result | None] = field(default_factory=list)
+    # Rows a publishing thread has taken (under ``lock``, never after ``stop``).
+    taken: list[bool] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
     results: list[_Result] = field(default_factory=list)
 
 
@@ -276,7 +293,7 @@ class Deliverer:
     def publish_one(self, row: Began) -> tuple[BaseException | None, float]:
         """Publish one begun row in this thread (the plain loop's step)."""
         result, seconds = self._publish(row, None, threading.Event())
-        assert not isinstance(result, _NotPublished)
+        assert not isinstance(result, (_NotPublished, _Unfinished))
         return result, seconds
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -299,16 +316,20 @@ class Deliverer:
         # than a fast publish itself (a third of a chunk's time, by py-spy,
         # with a no-op publisher).
         run.slots = [None] * len(rows)
+        run.taken = [False] * len(rows)
         position = iter(range(len(rows)))
-        lock = threading.Lock()
         all_taken = threading.Event()
 
         def take_rows() -> None:
             while True:
-                with lock:
-                    index = next(position, None)
+                with run.lock:
+                    # Nothing is taken once the task was interrupted: what
+                    # _collect_after saw untaken is never published.
+                    index = None if run.stop.is_set() else next(position, None)
                     if index is None or index == len(rows) - 1:
                         all_taken.set()
+                    if index is not None:
+                        run.taken[index] = True
                 if index is None:
                     return
                 run.slots[index] = self._publish(rows[index], hold, run.stop)
@@ -341,18 +362,35 @@ class Deliverer:
         self._publish_seconds = mean if last is None else 0.8 * last + 0.2 * mean
 
     def _collect_after(self, exc: BaseException, run: _Run) -> None:
-        """After an interruption: keep what finished; the rest goes back unpublished."""
-        run.stop.set()
+        """After an interruption: keep what finished; what never started goes
+        back unpublished; a publish still running keeps its row's lease."""
+        with run.lock:
+            run.stop.set()
+            slots, taken = list(run.slots), list(run.taken)
         log.warning("delivery interrupted (%s); finalizing what was published", type(exc).__name__)
-        if not run.futures:
-            return  # inline: the rows without a result are given back by _finish
+        if not taken:
+            # Inline: an interruption inside the publisher is that publish's
+            # error (_publish). One that lands around it may follow a publish
+            # that reached the receiver before its result was kept: that row
+            # goes back with its attempt counted, the rest refunded.
+            run.results.append((_Unfinished(running=False), 0.0))
+            return
         for future in run.futures:
             future.cancel()
-        # A copy, taken now: a publish still running may finish after this;
-        # the receiver then sees a duplicate of a row we give back now
-        # (absorbed by its idempotency key).
-        interrupted = (_NotPublished("the delivery task was interrupted"), 0.0)
-        run.results = [slot if slot is not None else interrupted for slot in list(run.slots)]
+        # Given back now, a row whose publish is still running would be
+        # claimed and published again beside it, under the same attempt
+        # (the fault suite's link-cut scenario caught that: a publisher stuck
+        # on a connection the cut had left dead published its rows after the
+        # soft time limit had given them back). Its lease lapses instead and
+        # the rescuer frees it, with its attempt counted.
+        run.results = [
+            slot
+            if slot is not None
+            else (_Unfinished(running=True), 0.0)
+            if was_taken
+            else (_NotPublished("the delivery task was interrupted"), 0.0)
+            for slot, was_taken in zip(slots, taken)
+        ]
 
     # -------------------------------------------------------------- finishing
     def _finish(
@@ -366,12 +404,21 @@ class Deliverer:
         # them) are given back unpublished like the ones skipped on purpose.
         interrupted = _NotPublished("the delivery task was interrupted")
         padded = [*results, *[(interrupted, 0.0)] * (len(ready) - len(results))]
-        outcomes = [self._outcome(row, result) for row, (result, _) in zip(ready, padded)]
+        running = [isinstance(r, _Unfinished) and r.running for r, _ in padded]
+        report.left_leased = sum(running)
+        if report.left_leased:
+            log.warning(
+                "%d publish(es) still running when the delivery was interrupted; their rows "
+                "keep their leases until they lapse (the rescuer then frees them)",
+                report.left_leased,
+            )
+        finished = [(row, p) for row, p, r in zip(ready, padded, running) if not r]
+        outcomes = [self._outcome(row, result) for row, (result, _) in finished]
         writes = outcomes + released
         changed = self.db.run(lambda conn: store.finalize(conn, writes, table=self.table))
         report.released = sum(1 for o in released if o.id in changed)
-        for row, outcome, (result, seconds) in zip(ready, outcomes, padded):
-            if isinstance(result, _NotPublished):
+        for (row, (result, seconds)), outcome in zip(finished, outcomes):
+            if isinstance(result, (_NotPublished, _Unfinished)):
                 report.released += int(outcome.id in changed)
                 continue
             self.observer.published(row.claimed, outcome, seconds)
@@ -396,10 +443,19 @@ class Deliverer:
             else:
                 report.retried += 1
 
-    def _outcome(self, row: Began, result: BaseException | _NotPublished | None) -> Outcome:
+    def _outcome(
+        self, row: Began, result: BaseException | _NotPublished | _Unfinished | None
+    ) -> Outcome:
         if isinstance(result, _NotPublished):
             # An attempt was counted (by begin or the claim) and never used.
             return Outcome.release(row.claimed, reason=result.reason, refund_attempt=True)
+        if isinstance(result, _Unfinished):
+            # Interrupted mid-publish in this thread: no longer running, but
+            # it may have reached the receiver, so its attempt stays counted
+            # (a second publish is then the next attempt, not the same one).
+            return Outcome.release(
+                row.claimed, reason="the delivery task was interrupted while publishing it"
+            )
         return classify(result, row.claimed, self.policy, age_seconds=row.age_seconds)
 
     def close(self) -> None:
