@@ -34,12 +34,23 @@ app.config_from_object(os.environ.get("CELERY_CONFIG_MODULE", "celeryconfig"), s
 # bound on every socket operation, a worker (or the claim task's fan-out)
 # waits on one forever. Bounds for Redis; AMQP has heartbeats (Celery's
 # broker_heartbeat, on by default). A celeryconfig's own values win.
+#
+# ack_emulation off: this app runs only the relay's tasks, and those are
+# hints (the outbox table is the truth). kombu's emulated acks keep every
+# task message in an ``unacked`` hash until it is acknowledged, two Redis
+# transactions per task in the worker's main process (a third of its time
+# per message); they would bring back the prefetched tasks of a SIGKILLed
+# worker only after visibility_timeout (an hour), long after the rows'
+# leases lapsed and the rescuer freed them. A warm shutdown still puts
+# prefetched tasks back. Not for an app that runs the user's own tasks
+# (outbox_relay.install(app) leaves the transport alone).
 if str(app.conf.broker_url).startswith(("redis", "rediss")):
     app.conf.broker_transport_options = {
         "socket_timeout": 10,
         "socket_connect_timeout": 5,
         "socket_keepalive": True,
         "health_check_interval": 10,
+        "ack_emulation": False,
         **(app.conf.broker_transport_options or {}),
     }
 install(app)

@@ -8,8 +8,11 @@ publisher really did from the ``published`` table (tests/apps/recording.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +206,50 @@ def test_worker_sigkilled_mid_publish_loses_nothing(recorded_dsn, redis_broker, 
         by_id.setdefault(message_id, []).append(version)
     for versions in by_id.values():
         assert len(versions) == len(set(versions))
+
+
+def test_standalone_app_keeps_no_unacked_copies_in_redis(
+    recorded_dsn, redis_broker, procs_factory, tmp_path
+):
+    # outbox_relay.app turns kombu's emulated acks off: its tasks are hints
+    # and a lost one costs a lease (the SIGKILL test above). With them on,
+    # every task message sat in Redis's ``unacked`` hash until acknowledged:
+    # two Redis transactions per task in the worker's main process.
+    procs = procs_factory(recorded_dsn, redis_broker)
+    procs.worker(concurrency=2)
+    ids = enqueue_orders(recorded_dsn, 300)
+    client = redis_client(redis_broker)
+    seen_unacked = False
+    deadline = time.monotonic() + 90
+    while all_done(recorded_dsn, 300) is None:
+        assert time.monotonic() < deadline, (counts(recorded_dsn), procs.logs())
+        seen_unacked = seen_unacked or bool(client.exists("unacked", "unacked_index"))
+        time.sleep(0.01)
+    assert not seen_unacked
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+    # A celeryconfig of the user's own still decides.
+    (tmp_path / "ackconfig.py").write_text("broker_transport_options = {'ack_emulation': True}\n")
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from outbox_relay.app import app;"
+            "print(app.conf.broker_transport_options['ack_emulation'])",
+        ],
+        env={
+            **os.environ,
+            "CELERY_BROKER_URL": redis_broker,
+            "OUTBOX_DSN": recorded_dsn,
+            "OUTBOX_PUBLISHER": "tests.apps.recording:publish",
+            "CELERY_CONFIG_MODULE": "ackconfig",
+            "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parent.parent}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert shown.stdout.strip().splitlines()[-1] == "True", shown.stderr
 
 
 def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
@@ -490,8 +537,6 @@ def _row(dsn: str, message_id: int) -> dict[str, Any]:
 def test_metrics_scrape_during_a_real_run(recorded_dsn, redis_broker, procs_factory, tmp_path):
     """Prefork workers write counters to PROMETHEUS_MULTIPROC_DIR; the exporter
     process aggregates them and reads the queue gauges from the database."""
-    import subprocess
-    import sys
 
     from .test_metrics import fetch, parse, value
 
