@@ -218,9 +218,7 @@ class Began:
 def _claimed(row: Sequence[Any]) -> Claimed:
     # Headers come back NULL where the statement leaves them out (empty, or
     # a claim without content).
-    return Claimed(
-        row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12]
-    )
+    return Claimed(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12])
 
 
 def _began(row: Sequence[Any]) -> Began:
