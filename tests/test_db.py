@@ -125,6 +125,7 @@ def test_relay_sessions_never_jit_compile_their_statements(dsn: str) -> None:
         "lease": timedelta(seconds=60),
         "max_attempts": 12,
         "count_attempt": 0,
+        "content": False,
         "now": None,
         "all_ordered": False,
         "ordered_types": [],
