@@ -262,6 +262,46 @@ def test_an_interrupted_chunk_finalizes_what_was_published(conn: psycopg.Connect
     assert sorted(calls) == [0, 1, 2]
 
 
+def test_a_soft_time_limit_inside_an_inline_publish_ends_the_chunk(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # Published inline (one at a time, in the task's own thread), the soft
+    # time limit is raised inside the publisher. It ends the chunk, not just
+    # that row's publish: the row under way may have reached the receiver,
+    # so it is a failed attempt (counted, retried after the backoff); the
+    # rows after it never started and get theirs back.
+    ids = seed(conn, 3)
+    claimed = store.claim(conn, owner="w", batch=3, lease=LEASE)
+    hang = threading.Event()
+    calls: list[int] = []
+
+    def publish(message: Message) -> None:
+        calls.append(message.payload["n"])
+        if message.payload["n"] == 1:
+            hang.wait(10)
+
+    deliverer = Deliverer(
+        publish,
+        db=DirectDatabase(conn),
+        concurrency=1,
+        publish_timeout=1,
+        interruptions=(SoftTimeLimitExceeded,),
+    )
+    try:
+        _deliver_until_soft_limit(deliverer, [m.ref for m in claimed])
+    finally:
+        hang.set()
+        deliverer.close()
+    assert calls == [0, 1]
+    by_id = {r[0]: r for r in rows(conn)}
+    assert [by_id[i][1] for i in ids] == ["done", "pending", "pending"]
+    assert [by_id[i][2] for i in ids] == [1, 1, 0]
+    assert "interrupted while publishing" in by_id[ids[1]][3]
+    assert "interrupted" in by_id[ids[2]][3]
+    due = dict(conn.execute("SELECT id, available_at > now() FROM outbox").fetchall())
+    assert (due[ids[1]], due[ids[2]]) == (True, False)  # backoff; due at once
+
+
 def test_a_claim_is_never_repeated_after_a_broken_connection(dsn: str) -> None:
     db = PoolDatabase(dsn, size=1, name="claim-retry")
     calls: list[int] = []

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+from celery.exceptions import SoftTimeLimitExceeded
 
 from .. import store
 from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
@@ -447,6 +448,9 @@ class Installation:
             # The delivery task counts the attempt when it begins, so a task
             # that expired in the broker unrun costs its row nothing.
             count_attempt=True,
+            # Raised inside a publisher published inline (one row, or a
+            # concurrency of 1): it ends the chunk, not that row's attempt.
+            interruptions=(SoftTimeLimitExceeded,),
         )
         claimer = Claimer(
             db,

@@ -17,7 +17,9 @@
   finalizes what was published and gives back what never started, then
   re-raises. A row whose publish is still running in another thread keeps
   its lease until it lapses: handed out again at once, it would be published
-  a second time beside the first, under the same attempt number.
+  a second time beside the first, under the same attempt number. One whose
+  publish the interruption unwound in the task's own thread is a failed
+  attempt, retried after the backoff.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any, Literal, Protocol
 
 from .. import store
 from ..db import Database
-from ..errors import PermanentError
+from ..errors import PermanentError, RetryableError
 from ..model import Claimed, LeaseRef, Message, Outcome
 from ..producer import RESERVED_EVENT_TYPES
 from ..store.relay import Began
@@ -153,6 +155,7 @@ class Deliverer:
         keeper: LeaseKeeper | None = None,
         count_attempt: bool = False,
         tracer: PublishTracer | Literal["default"] | None = "default",
+        interruptions: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.publisher = publisher
         self.db = db
@@ -166,6 +169,10 @@ class Deliverer:
         self.count_attempt = count_attempt
         # A span per publish when OpenTelemetry is installed (outbox_relay.tracing).
         self.tracer = default_tracer() if tracer == "default" else tracer
+        # Exceptions that interrupt the delivery rather than fail a publish
+        # (Celery's soft time limit, raised in whatever the task's thread is
+        # running, the publisher included): never classified as the row's error.
+        self.interruptions = interruptions
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         # How long a publish has taken lately (None: not known yet); see _publish_all.
@@ -273,6 +280,8 @@ class Deliverer:
         try:
             self.publisher(span.message if span is not None else message)
             outcome = "done"
+        except self.interruptions:
+            raise
         except Exception as exc:
             error = exc
             if span is not None:
@@ -451,11 +460,11 @@ class Deliverer:
             return Outcome.release(row.claimed, reason=result.reason, refund_attempt=True)
         if isinstance(result, _Unfinished):
             # Interrupted mid-publish in this thread: no longer running, but
-            # it may have reached the receiver, so its attempt stays counted
-            # (a second publish is then the next attempt, not the same one).
-            return Outcome.release(
-                row.claimed, reason="the delivery task was interrupted while publishing it"
-            )
+            # it may have reached the receiver. A failed attempt: counted (a
+            # second publish is the next attempt, not the same one) and
+            # retried after the backoff, as a publish that timed out would be.
+            error = RetryableError("the delivery task was interrupted while publishing it")
+            return classify(error, row.claimed, self.policy, age_seconds=row.age_seconds)
         return classify(result, row.claimed, self.policy, age_seconds=row.age_seconds)
 
     def close(self) -> None:
