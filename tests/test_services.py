@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -227,26 +228,35 @@ def _deliver_until_soft_limit(deliverer: Deliverer, refs: list[Any], after: floa
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_an_interrupted_chunk_finalizes_what_was_published(conn: psycopg.Connection[Any]) -> None:
-    # Two publishing threads for five rows: row 0 is published, rows 1 and 2
-    # are still publishing when the soft time limit fires, rows 3 and 4 were
-    # never started.
-    ids = seed(conn, 5)
-    claimed = store.claim(conn, owner="w", batch=5, lease=LEASE)
+def _interrupt(
+    conn: psycopg.Connection[Any], n: int, hangs: Callable[[int], bool], **options: Any
+) -> tuple[list[int], list[int]]:
+    """Deliver ``n`` rows whose publishes of row numbers ``hangs`` picks never
+    return, until the soft time limit; the rows' ids and the publishes made."""
+    ids = seed(conn, n)
+    claimed = store.claim(conn, owner="w", batch=n, lease=LEASE)
     hang = threading.Event()
     calls: list[int] = []
 
     def publish(message: Message) -> None:
         calls.append(message.payload["n"])
-        if message.payload["n"] >= 1:
+        if hangs(message.payload["n"]):
             hang.wait(10)  # still publishing when the soft time limit fires
 
-    deliverer = Deliverer(publish, db=DirectDatabase(conn), concurrency=2, publish_timeout=1)
+    deliverer = Deliverer(publish, db=DirectDatabase(conn), publish_timeout=1, **options)
     try:
         _deliver_until_soft_limit(deliverer, [m.ref for m in claimed])
     finally:
         hang.set()
         deliverer.close()
+    return ids, calls
+
+
+def test_an_interrupted_chunk_finalizes_what_was_published(conn: psycopg.Connection[Any]) -> None:
+    # Two publishing threads for five rows: row 0 is published, rows 1 and 2
+    # are still publishing when the soft time limit fires, rows 3 and 4 were
+    # never started.
+    ids, calls = _interrupt(conn, 5, lambda n: n >= 1, concurrency=2)
     by_id = {r[0]: r for r in rows(conn)}
     assert sorted(calls) == [0, 1, 2]
     # The published one is done. The two still publishing keep their leases
@@ -270,28 +280,9 @@ def test_a_soft_time_limit_inside_an_inline_publish_ends_the_chunk(
     # that row's publish: the row under way may have reached the receiver,
     # so it is a failed attempt (counted, retried after the backoff); the
     # rows after it never started and get theirs back.
-    ids = seed(conn, 3)
-    claimed = store.claim(conn, owner="w", batch=3, lease=LEASE)
-    hang = threading.Event()
-    calls: list[int] = []
-
-    def publish(message: Message) -> None:
-        calls.append(message.payload["n"])
-        if message.payload["n"] == 1:
-            hang.wait(10)
-
-    deliverer = Deliverer(
-        publish,
-        db=DirectDatabase(conn),
-        concurrency=1,
-        publish_timeout=1,
-        interruptions=(SoftTimeLimitExceeded,),
+    ids, calls = _interrupt(
+        conn, 3, lambda n: n == 1, concurrency=1, interruptions=(SoftTimeLimitExceeded,)
     )
-    try:
-        _deliver_until_soft_limit(deliverer, [m.ref for m in claimed])
-    finally:
-        hang.set()
-        deliverer.close()
     assert calls == [0, 1]
     by_id = {r[0]: r for r in rows(conn)}
     assert [by_id[i][1] for i in ids] == ["done", "pending", "pending"]

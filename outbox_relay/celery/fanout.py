@@ -112,8 +112,8 @@ def _batched(producer: Any) -> AbstractContextManager[Any]:
     return batch() if batch is not None else nullcontext()
 
 
-def _declare_once(app: Any, producer: Any, task_names: Sequence[str]) -> list[Any]:
-    """Declare the queues these tasks are routed to; what ``declare=`` then takes.
+def _declare_queues(app: Any, producer: Any, task_names: Sequence[str]) -> None:
+    """Declare the queues these tasks are routed to, once per round.
 
     Celery declares a task's queue with every message it sends (kombu
     caches the declaration per connection, but binds a copy of the queue
@@ -128,7 +128,6 @@ def _declare_once(app: Any, producer: Any, task_names: Sequence[str]) -> list[An
         # Celery never declares a broadcast queue for a sent task either.
         if queue is not None and not isinstance(queue, (str, Broadcast)):
             producer.maybe_declare(queue)
-    return []
 
 
 def fan_out(
@@ -201,8 +200,9 @@ def fan_out(
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             # Each delivery task's queue declared once per round, not per
-            # message (a fifth of a per-message fan-out, see _declare_once).
-            common["declare"] = _declare_once(app, producer, (deliver.name, deliver_batch.name))
+            # message (a fifth of a per-message fan-out, see _declare_queues).
+            _declare_queues(app, producer, (deliver.name, deliver_batch.name))
+            common["declare"] = []
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
                     assert follow_up is not None

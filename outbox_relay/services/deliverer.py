@@ -427,7 +427,9 @@ class Deliverer:
         changed = self.db.run(lambda conn: store.finalize(conn, writes, table=self.table))
         report.released = sum(1 for o in released if o.id in changed)
         for (row, (result, seconds)), outcome in zip(finished, outcomes):
-            if isinstance(result, (_NotPublished, _Unfinished)):
+            # An inline publish the interruption unwound is a failed attempt
+            # (counted as retried below); only a row never published is a release.
+            if isinstance(result, _NotPublished):
                 report.released += int(outcome.id in changed)
                 continue
             self.observer.published(row.claimed, outcome, seconds)
