@@ -257,15 +257,20 @@ def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
     # after the check below. With 4 s they expired after about a second and
     # the worker discarded the whole queue before the test looked at it.
     procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=12, publish_timeout_seconds=2)
-    procs.worker(concurrency=1)
     ids = enqueue_orders(recorded_dsn, 60, payload={"sleep": 0.3})
-    # Beat is not running yet: the NOTIFY-triggered claim fans out all 60
-    # tasks, and one slow worker leaves most of them waiting in Redis (0.3 s
-    # each: 18 s of work, so a busy machine that starves this test process
-    # for a few seconds still finds them queued; at 0.1 s it once did not).
+    procs.worker(concurrency=1)
+    # Beat is not running yet: the claim the listener sends as it starts
+    # fans out all 60 tasks at once, and one slow worker leaves most of them
+    # waiting in Redis (0.3 s each: 18 s of work, so a busy machine that
+    # starves this test process for a few seconds still finds them queued;
+    # at 0.1 s it once did not). Enqueued while the worker already ran, the
+    # rows came in one NOTIFY-triggered claim after another, each queued
+    # behind the deliveries before it, and under CI's load fewer than 40
+    # were ever leased at the same moment.
     wait_for(lambda: counts(recorded_dsn).get("processing", 0) >= 40, timeout=30, what="claimed")
     client = redis_client(redis_broker)
-    assert client.llen("outbox") > 0  # tasks waiting in the broker
+    # The claim commits its leases before it sends their tasks.
+    wait_for(lambda: client.llen("outbox") >= 20, timeout=30, what="tasks waiting in Redis")
     client.flushdb()  # the broker loses every queued task (same as FLUSHALL for this db)
     assert client.llen("outbox") == 0
     procs.beat()
