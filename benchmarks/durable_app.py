@@ -31,5 +31,13 @@ def durable_update(self: Any, item: int) -> None:
     self.outbox_conn.execute("UPDATE bench_items SET done = true WHERE id = %s", (item,))
 
 
+if os.environ.get("BENCH_ACK_EMULATION") == "false":
+    # A worker that runs only durable tasks and the relay's own: the outbox
+    # re-sends a durable task whose message a SIGKILLed worker took with it
+    # (its lease lapses), so kombu's emulated acks, two Redis transactions
+    # per task in the worker's main process, guard nothing there
+    # (docs/durable.md, "A worker of their own").
+    app.conf.broker_transport_options = {"ack_emulation": False}
+
 if os.environ.get("OUTBOX_DSN"):
     outbox_relay.install(app, publisher="benchmarks.publishers:noop")

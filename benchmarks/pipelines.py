@@ -76,7 +76,7 @@ def fill_durable(dsn: str, n: int) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def durable(b: Bench, n: int, *, in_flight: int) -> Figure:
+def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> Figure:
     """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool.
 
     With beat, as in production: the in-flight cap (``in_flight``) bounds
@@ -89,6 +89,7 @@ def durable(b: Bench, n: int, *, in_flight: int) -> Figure:
         client.delete("outbox", "bench-durable")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
         env = celery_env(dsn, b.broker, max_in_flight=in_flight)
+        env["BENCH_ACK_EMULATION"] = "true" if ack_emulation else "false"
         runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
         try:
             runner.beat()
@@ -116,8 +117,11 @@ def durable(b: Bench, n: int, *, in_flight: int) -> Figure:
         finally:
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
+    acks = "" if ack_emulation else ", Redis ack_emulation off"
     return Figure(
-        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}", n, seconds
+        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}{acks}",
+        n,
+        seconds,
     )
 
 

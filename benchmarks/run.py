@@ -12,7 +12,7 @@ the median of its rounds). Scenarios, as a user configures them:
 * chunked: ``celery worker -P prefork -c PROCS`` and ``celery beat`` of the
   standalone app, ``OUTBOX_CHUNK_SIZE`` 20, 50, 200 and 500 with
   ``OUTBOX_BATCH_SIZE`` 500 (1000 for chunks of 500), everything else at its
-  default; a no-op publisher, and (chunks of 50) one that waits 20 ms.
+  default; a no-op publisher, and (chunks of 50 and 200) one that waits 20 ms.
 * per-message: the default mode (one ``deliver`` task per message).
 * ceiling: plain Celery tasks pre-queued on the same broker and pool, one
   that does nothing and one that does one PostgreSQL UPDATE and commit.
@@ -21,6 +21,11 @@ the median of its rounds). Scenarios, as a user configures them:
   of 500 ids per statement, same number of processes), for the moonshot.
 * pgqueuer: its job queue draining the same number of jobs with the same
   number of consumer processes, no-op jobs and 20 ms jobs.
+* durable: durable tasks doing the ceiling's UPDATE, written to the outbox
+  and sent by the relay on the same pool, in every round beside the UPDATE
+  task; with kombu's emulated acks on (as ``install(app)`` leaves them) and
+  off (a worker of their own, docs/durable.md). Canvas rows run once, after
+  the rounds.
 * latency: commit-to-publish p50/p99 for messages committed one at a time
   while the relay is idle, and at a steady rate of half the measured
   chunked maximum, with LISTEN/NOTIFY; and idle with polling only.
@@ -863,17 +868,19 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
             if want("chunked"):
-                record(
-                    "chunked_20ms",
-                    relay(
-                        b,
-                        bulk,
-                        name="relay chunked (50), 20 ms publisher",
-                        chunk=50,
-                        publisher="wait20ms",
-                        batch_size=500,
-                    ),
-                )
+                # Chunks of 50 (the setting) and of 200 (the README's).
+                for chunk in [50] if args.quick else [50, 200]:
+                    record(
+                        f"chunked{chunk}_20ms",
+                        relay(
+                            b,
+                            bulk,
+                            name=f"relay chunked ({chunk}), 20 ms publisher",
+                            chunk=chunk,
+                            publisher="wait20ms",
+                            **_chunk_settings(chunk),
+                        ),
+                    )
             if pgq:
                 record(
                     "pgq_20ms",
@@ -896,9 +903,21 @@ def main(argv: list[str] | None = None) -> int:
                             env_extra={"BENCH_ACK_EMULATION": "true"},
                         ),
                     )
-            if want("ceiling"):
+            if want("ceiling") or want("durable"):
                 record("update", ceiling(b, n, "update"))
+            if want("ceiling"):
                 record("noop", ceiling(b, n, "noop"))
+            if want("durable"):
+                from benchmarks import pipelines
+
+                # Beside the UPDATE task they are compared with, every round.
+                record("durable", pipelines.durable(b, n, in_flight=args.in_flight))
+                if not args.quick:
+                    # A worker of their own (docs/durable.md): no emulated acks.
+                    record(
+                        "durable_noack",
+                        pipelines.durable(b, n, in_flight=args.in_flight, ack_emulation=False),
+                    )
             if want("loops") and not args.quick:
                 record(
                     "unnest",
@@ -907,25 +926,18 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
         figures = {key: median_figure(rounds_) for key, rounds_ in results.items()}
-        if want("durable") or want("canvas"):
+        if want("canvas"):
             # One round each (benchmarks/pipelines.py), after the alternating ones.
             from benchmarks import pipelines
 
-            if want("durable"):
-                print("durable", flush=True)
-                if "update" not in figures:
-                    figures["update"] = ceiling(b, n, "update")
-                figures["durable"] = pipelines.durable(b, n, in_flight=args.in_flight)
-            if want("canvas"):
-                print("canvas", flush=True)
-                cn = 500 if args.quick else args.canvas_messages
-                figures["oncommit"] = pipelines.canvas(b, cn, outbox=False)
-                figures["canvas"] = pipelines.canvas(b, cn, outbox=True)
-                figures["canvas_chunked"] = pipelines.canvas(b, cn, outbox=True, chunk=200)
-            for key in ("update", "durable", "oncommit", "canvas", "canvas_chunked"):
-                if key in figures and want("durable" if key in ("update", "durable") else "canvas"):
-                    f = figures[key]
-                    print(f"  {f.name:<60} {f.note or f'{f.rate:,.0f} msg/s'}", flush=True)
+            print("canvas", flush=True)
+            cn = 500 if args.quick else args.canvas_messages
+            figures["oncommit"] = pipelines.canvas(b, cn, outbox=False)
+            figures["canvas"] = pipelines.canvas(b, cn, outbox=True)
+            figures["canvas_chunked"] = pipelines.canvas(b, cn, outbox=True, chunk=200)
+            for key in ("oncommit", "canvas", "canvas_chunked"):
+                f = figures[key]
+                print(f"  {f.name:<60} {f.note or f'{f.rate:,.0f} msg/s'}", flush=True)
         if want("latency"):
             print("latency", flush=True)
             count = 50 if args.quick else 300
@@ -933,9 +945,7 @@ def main(argv: list[str] | None = None) -> int:
             # best one, with that chunk size (its maximum is the one halved),
             # and at chunks of 50 (the issue's own setting) against its own.
             maxima = {
-                int(k.split("_")[1]): figures[k].rate
-                for k in figures
-                if k.startswith("chunked_") and k != "chunked_20ms"
+                int(k.split("_")[1]): figures[k].rate for k in figures if k.startswith("chunked_")
             }
             figures["lat_idle"] = latency(
                 b, name="latency idle, LISTEN/NOTIFY", messages=count, rate=20
@@ -1008,11 +1018,13 @@ def _report(
         [(f"chunked {c} / literal loop", f"chunked_{c}", "literal") for c in chunks]
         + [(f"chunked {c} / pgqueuer", f"chunked_{c}", "pgq") for c in chunks]
         + [
-            ("chunked 50, 20 ms / pgqueuer 20 ms", "chunked_20ms", "pgq_20ms"),
+            ("chunked 50, 20 ms / pgqueuer 20 ms", "chunked50_20ms", "pgq_20ms"),
+            ("chunked 200, 20 ms / pgqueuer 20 ms", "chunked200_20ms", "pgq_20ms"),
             ("per-message / Celery UPDATE task", "per_message", "update"),
             ("per-message / Celery no-op task", "per_message", "noop"),
             ("per-message, ack_emulation on / Celery UPDATE task", "per_message_ack", "update"),
             ("durable task / Celery UPDATE task", "durable", "update"),
+            ("durable task, ack_emulation off / Celery UPDATE task", "durable_noack", "update"),
             ("apply_async via outbox / on_commit apply_async", "canvas", "oncommit"),
             ("apply_async via outbox, chunked / on_commit", "canvas_chunked", "oncommit"),
         ]

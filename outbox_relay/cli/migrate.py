@@ -34,6 +34,7 @@ def migrate_command(state: CliState, show_sql: bool) -> None:
     with state.connect() as conn:
         versions = schema.migrate(conn, table=table)
     if versions:
-        click.echo(f"applied migrations {', '.join(map(str, versions))} to {table.qualified}")
+        noun = "migration" if len(versions) == 1 else "migrations"
+        click.echo(f"applied {noun} {', '.join(map(str, versions))} to {table.qualified}")
     else:
         click.echo(f"{table.qualified} is up to date; no migration applied")

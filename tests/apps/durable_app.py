@@ -42,6 +42,12 @@ app.conf.update(
     worker_enable_remote_control=False,
 )
 
+if os.environ.get("DURABLE_ACK_EMULATION") == "false":
+    # A worker of their own (docs/durable.md): kombu keeps no copy of a
+    # message it handed to this worker, so a SIGKILL takes the prefetched
+    # ones with it and only the outbox brings them back.
+    app.conf.broker_transport_options = {"ack_emulation": False}
+
 
 class Flaky(Exception):
     """A failure the tasks below retry (their autoretry_for)."""
