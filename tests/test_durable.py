@@ -287,6 +287,41 @@ def test_a_broker_that_forgets_its_queue_loses_no_task(setup, owned_redis) -> No
     _assert_once_each(s.dsn, results)
 
 
+def test_the_relay_declares_a_queue_no_worker_consumes_yet_over_rabbitmq(setup) -> None:
+    # RabbitMQ drops a message routed to a queue that does not exist: the
+    # relay declares each durable task's queue (once per round) before it
+    # sends there, even when no worker has declared it by consuming it.
+    from kombu import Connection
+
+    amqp = services.amqp_url()
+    if amqp is None:
+        pytest.skip("RabbitMQ not configured: set OUTBOX_TEST_AMQP_URL")
+    s = setup(amqp)
+    try:
+        s.beat()
+        s.worker(s.relay_queue)  # the relay only: nobody consumes the tasks' queue yet
+        results = {f"amqp-{i}": _write(s.dsn, effect.s(f"amqp-{i}")) for i in range(5)}
+
+        def waiting() -> int:
+            with Connection(amqp, connect_timeout=5) as conn:
+                try:
+                    return int(conn.default_channel.queue_declare(s.queue, passive=True)[1])
+                except Exception:  # not declared (yet)
+                    return 0
+
+        wait_for(lambda: waiting() == 5, timeout=60, what=f"5 queued\n{s.logs()}")
+        s.worker(s.queue)
+        ids = [r.id for r in results.values()]
+        wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=f"all done\n{s.logs()}")
+        _assert_once_each(s.dsn, results)
+    finally:
+        s.procs.stop_all()
+        with Connection(amqp, connect_timeout=5) as conn:
+            for name in (s.queue, s.relay_queue):
+                with contextlib.suppress(Exception):
+                    conn.default_channel.queue_delete(name)
+
+
 def test_a_backlog_that_expired_is_sent_again_and_runs(setup) -> None:
     """Celery puts the id of an expired message on the worker's revoked list;
     the same id sent again under a new lease must still run."""

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kombu.common import Broadcast
+from kombu.entity import Queue
+
 from ..config import Settings
 from ..model import Claimed, Outcome
 from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION
@@ -36,6 +39,8 @@ class DurableSends:
 
     handed_off: list[Claimed] = field(default_factory=list)
     broken: list[Outcome] = field(default_factory=list)
+    # Queues this round has declared, with their bindings (see _declare_once).
+    declared: set[tuple[str, str, str]] = field(default_factory=set)
 
     def outcomes(self) -> list[Outcome]:
         return [Outcome.done(row) for row in self.handed_off] + self.broken
@@ -55,10 +60,47 @@ def _chain_option(app: Any, chain: Sequence[Any]) -> list[Any] | None:
     return [signature(dict(step), app=app) for step in reversed(chain)]
 
 
-def send_durable(
-    app: Any, settings: Settings, producer: Any, row: Claimed, sends: DurableSends
+def _declare_once(
+    app: Any,
+    producer: Any,
+    name: str,
+    options: dict[str, Any],
+    args: Any,
+    kwargs: Any,
+    declared: set[tuple[str, str, str]],
 ) -> None:
-    """Send one claimed durable row's task; note what must be finalized."""
+    """Declare the queue Celery will route this task to, once per round.
+
+    Celery would declare it with every message (kombu binds a fresh copy of
+    the queue each time: a quarter of a durable task's send). Routed here as
+    Celery routes it (a route may depend on the arguments), declared when
+    this round has not declared that queue yet; the message then goes with
+    ``declare=[]``.
+    """
+    queue = app.amqp.router.route(dict(options), name, args, kwargs).get("queue")
+    # Celery never declares a broadcast queue for a sent task either.
+    if not isinstance(queue, Queue) or isinstance(queue, Broadcast):
+        return
+    exchange = queue.exchange.name if queue.exchange is not None else ""
+    key = (queue.name, exchange, queue.routing_key)
+    if key not in declared:
+        producer.maybe_declare(queue)
+        declared.add(key)
+
+
+def send_durable(
+    app: Any,
+    settings: Settings,
+    producer: Any,
+    row: Claimed,
+    sends: DurableSends,
+    lineage: dict[str, Any] | None = None,
+) -> None:
+    """Send one claimed durable row's task; note what must be finalized.
+
+    ``lineage``: the claim task's ``parent_id``/``root_id``, looked up once
+    per round by the fan-out (``add_to_parent`` off, as for its deliveries).
+    """
     payload = row.payload if isinstance(row.payload, dict) else {}
     try:
         name = str(payload["task"])
@@ -77,8 +119,11 @@ def send_durable(
         return
     lease = _lease(row, settings)
     row_label = f"(outbox #{row.id} v{row.lease_version})"
+    _declare_once(app, producer, name, options, args, kwargs, sends.declared)
     send: dict[str, Any] = {
         **options,
+        **(lineage or {}),
+        "declare": [],
         "task_id": task_id,
         "producer": producer,
         "serializer": "json",

@@ -197,6 +197,9 @@ def fan_out(
         common["parent_id"] = parent.request.id
         common["root_id"] = parent.request.root_id or parent.request.id
     common["add_to_parent"] = False
+    lineage: dict[str, Any] = {
+        k: common[k] for k in ("parent_id", "root_id", "add_to_parent") if k in common
+    }
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             # Each delivery task's queue declared once per round, not per
@@ -208,7 +211,7 @@ def fan_out(
                     assert follow_up is not None
                     follow_up(producer)
                 if is_durable_row(chunk[0]):
-                    send_durable(app, settings, producer, chunk[0], sends)
+                    send_durable(app, settings, producer, chunk[0], sends, lineage)
                     continue
                 refs = [c.ref for c in chunk]
                 # Both reprs given: Celery would otherwise saferepr() each
