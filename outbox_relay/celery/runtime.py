@@ -336,10 +336,13 @@ class Installation:
     def check_database(self, *, wait_seconds: float = 0.0) -> None:
         """Connect once and check the table is migrated (then disconnect).
 
-        A server that refuses connections is waited for up to
-        ``wait_seconds`` (a relay started with its database, or during a
-        restart, as Celery waits for its broker at start); anything else
-        (a bad DSN or password, a missing table) fails at once.
+        A server that refuses connections, or ends the check's session
+        before it is done (a failover, an operator terminating backends), is
+        waited for up to ``wait_seconds`` (a relay started with its database,
+        or during a restart, as Celery waits for its broker at start);
+        anything else (a bad DSN or password, a missing table) fails at once.
+        A beat that gave up on a terminated session never sent a claim or a
+        rescue again (the fault suite's terminated-backends scenario).
         """
         table = self.settings.outbox_table
         dsn = self.settings.require_dsn()
@@ -347,11 +350,18 @@ class Installation:
         try:
             kwargs = bounded_connection_kwargs(self.settings.database_timeout)
             while True:
+                connected = False
                 try:
-                    conn = psycopg.connect(dsn, **kwargs)
+                    with psycopg.connect(dsn, **kwargs) as conn:
+                        connected = True
+                        exists = store.table_exists(conn, table=table)
+                        missing = store.missing_migrations(conn, table=table) if exists else []
                     break
                 except psycopg.OperationalError as exc:
-                    if time.monotonic() >= deadline or not _unreachable(exc):
+                    # After a connect, an OperationalError is a lost session,
+                    # never a setting (a refusal is another error class).
+                    transient = connected or _unreachable(exc)
+                    if time.monotonic() >= deadline or not transient:
                         raise
                     log.warning(
                         "outbox-relay: database %s not reachable yet, retrying: %s",
@@ -359,9 +369,6 @@ class Installation:
                         connect_error(exc, dsn),
                     )
                     time.sleep(1.0)
-            with conn:
-                exists = store.table_exists(conn, table=table)
-                missing = store.missing_migrations(conn, table=table) if exists else []
         except (psycopg.Error, ValueError, OSError) as exc:
             # libpq's text may quote the DSN, or pieces of its password read
             # as a host: connect_error scrubs it, or withholds it. (psycopg

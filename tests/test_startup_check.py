@@ -1,0 +1,74 @@
+"""The start-up check of a relay worker or beat rides out a session lost midway.
+
+A beat whose check lost its session to ``pg_terminate_backend`` (or a
+failover) used to exit, and with it every claim and rescue tick: the fault
+suite's terminated-backends scenario left rows leased for good. Real
+PostgreSQL: the check is made to wait on a lock, its backend terminated
+there, and the check must retry and pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+from celery import Celery
+
+import outbox_relay
+from outbox_relay.errors import ConfigError
+
+from .celery_procs import wait_for
+
+
+def _installation(dsn: str) -> object:
+    app = Celery(f"check-{uuid.uuid4().hex[:6]}", broker="memory://")
+    return outbox_relay.install(app, dsn=dsn, publisher="tests.apps.recording:publish")
+
+
+def test_a_check_whose_session_is_terminated_retries_and_passes(dsn: str) -> None:
+    inst = _installation(dsn)
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            inst.check_database(wait_seconds=20)  # type: ignore[attr-defined]
+            outcome.append(None)
+        except BaseException as exc:  # reported below
+            outcome.append(exc)
+
+    with psycopg.connect(dsn) as holder:
+        # The check reads the migrations table: hold it, so the check waits there.
+        holder.execute("LOCK TABLE outbox_migrations IN ACCESS EXCLUSIVE MODE")
+        thread = threading.Thread(target=check, daemon=True)
+        thread.start()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+
+            def waiting_pids() -> list[int]:
+                rows = admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+                ).fetchall()
+                return [r[0] for r in rows]
+
+            [pid] = wait_for(waiting_pids, timeout=20, what="the check waiting on the lock")
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            time.sleep(0.2)
+        holder.rollback()  # the lock goes; the retried check can read the table
+    thread.join(30)
+    assert outcome == [None], f"the check gave up: {outcome}"
+
+
+def test_a_missing_database_still_fails_at_once(dsn: str) -> None:
+    # Only a lost session is retried: a refusal is a setting to fix.
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(dsn)
+    bad = make_conninfo(dsn, dbname=f"{params['dbname']}_missing")
+    inst = _installation(bad)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="cannot connect to OUTBOX_DSN"):
+        inst.check_database(wait_seconds=20)  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 10
