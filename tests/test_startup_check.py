@@ -18,12 +18,13 @@ import pytest
 from celery import Celery
 
 import outbox_relay
+from outbox_relay.celery.runtime import Installation
 from outbox_relay.errors import ConfigError
 
 from .celery_procs import wait_for
 
 
-def _installation(dsn: str) -> object:
+def _installation(dsn: str) -> Installation:
     app = Celery(f"check-{uuid.uuid4().hex[:6]}", broker="memory://")
     return outbox_relay.install(app, dsn=dsn, publisher="tests.apps.recording:publish")
 
@@ -34,7 +35,7 @@ def test_a_check_whose_session_is_terminated_retries_and_passes(dsn: str) -> Non
 
     def check() -> None:
         try:
-            inst.check_database(wait_seconds=20)  # type: ignore[attr-defined]
+            inst.check_database(wait_seconds=20)
             outcome.append(None)
         except BaseException as exc:  # reported below
             outcome.append(exc)
@@ -70,5 +71,5 @@ def test_a_missing_database_still_fails_at_once(dsn: str) -> None:
     inst = _installation(bad)
     started = time.monotonic()
     with pytest.raises(ConfigError, match="cannot connect to OUTBOX_DSN"):
-        inst.check_database(wait_seconds=20)  # type: ignore[attr-defined]
+        inst.check_database(wait_seconds=20)
     assert time.monotonic() - started < 10

@@ -26,7 +26,7 @@ from ..model import Claimed, Outcome
 from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION
 from .durable_run import begin_margin
 
-__all__ = ["DurableSends", "is_durable_row", "send_durable"]
+__all__ = ["DurableSends", "declare_routed_queue", "is_durable_row", "send_durable"]
 
 
 def is_durable_row(row: Claimed) -> bool:
@@ -35,11 +35,12 @@ def is_durable_row(row: Claimed) -> bool:
 
 @dataclass
 class DurableSends:
-    """What the fan-out must finalize after sending durable rows."""
+    """What the fan-out must finalize after sending durable rows, and the
+    queues its round has declared."""
 
     handed_off: list[Claimed] = field(default_factory=list)
     broken: list[Outcome] = field(default_factory=list)
-    # Queues this round has declared, with their bindings (see _declare_once).
+    # Queues this round has declared, with their bindings (declare_routed_queue).
     declared: set[tuple[str, str, str]] = field(default_factory=set)
 
     def outcomes(self) -> list[Outcome]:
@@ -60,24 +61,28 @@ def _chain_option(app: Any, chain: Sequence[Any]) -> list[Any] | None:
     return [signature(dict(step), app=app) for step in reversed(chain)]
 
 
-def _declare_once(
+def declare_routed_queue(
     app: Any,
     producer: Any,
     name: str,
-    options: dict[str, Any],
-    args: Any,
-    kwargs: Any,
     declared: set[tuple[str, str, str]],
+    options: dict[str, Any] | None = None,
+    args: Any = (),
+    kwargs: Any = None,
 ) -> None:
     """Declare the queue Celery will route this task to, once per round.
 
-    Celery would declare it with every message (kombu binds a fresh copy of
-    the queue each time: a quarter of a durable task's send). Routed here as
-    Celery routes it (a route may depend on the arguments), declared when
-    this round has not declared that queue yet; the message then goes with
-    ``declare=[]``.
+    Celery declares a task's queue with every message it sends (kombu
+    caches the declaration per connection, but binds a fresh copy of the
+    queue each time: a fifth of a per-message fan-out, a quarter of a
+    durable task's send). Routed here as Celery routes it (a route may
+    depend on the options or arguments) and declared on this producer's
+    connection unless ``declared`` (the round's) already holds it; the
+    message then goes with ``declare=[]``. Each round declares again, so a
+    broker that lost its queue has it back before the round is sent, and
+    RabbitMQ never drops a message for a queue no worker has declared yet.
     """
-    queue = app.amqp.router.route(dict(options), name, args, kwargs).get("queue")
+    queue = app.amqp.router.route(dict(options or {}), name, args, kwargs or {}).get("queue")
     # Celery never declares a broadcast queue for a sent task either.
     if not isinstance(queue, Queue) or isinstance(queue, Broadcast):
         return
@@ -94,7 +99,7 @@ def send_durable(
     producer: Any,
     row: Claimed,
     sends: DurableSends,
-    lineage: dict[str, Any] | None = None,
+    lineage: dict[str, Any],
 ) -> None:
     """Send one claimed durable row's task; note what must be finalized.
 
@@ -119,10 +124,10 @@ def send_durable(
         return
     lease = _lease(row, settings)
     row_label = f"(outbox #{row.id} v{row.lease_version})"
-    _declare_once(app, producer, name, options, args, kwargs, sends.declared)
+    declare_routed_queue(app, producer, name, sends.declared, options, args, kwargs)
     send: dict[str, Any] = {
         **options,
-        **(lineage or {}),
+        **lineage,
         "declare": [],
         "task_id": task_id,
         "producer": producer,

@@ -17,13 +17,11 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from kombu.common import Broadcast
-
 from ..config import Settings
 from ..db import Database
 from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
-from .durable_send import DurableSends, is_durable_row, send_durable
+from .durable_send import DurableSends, declare_routed_queue, is_durable_row, send_durable
 from .options import time_limits
 
 __all__ = ["DrainPlan", "argsrepr", "chunked", "drain_plan", "fan_out", "release"]
@@ -112,24 +110,6 @@ def _batched(producer: Any) -> AbstractContextManager[Any]:
     return batch() if batch is not None else nullcontext()
 
 
-def _declare_queues(app: Any, producer: Any, task_names: Sequence[str]) -> None:
-    """Declare the queues these tasks are routed to, once per round.
-
-    Celery declares a task's queue with every message it sends (kombu
-    caches the declaration per connection, but binds a copy of the queue
-    each time: a fifth of a per-message fan-out). Declared here once per
-    round, on this producer's connection, so a broker that lost its queue
-    (restarted without it) has it again before the round is sent, and each
-    message is sent with ``declare=[]``. A queue name that only a route
-    knows is still declared (the route gives the Queue object).
-    """
-    for name in task_names:
-        queue = app.amqp.router.route({}, name, (), {}).get("queue")
-        # Celery never declares a broadcast queue for a sent task either.
-        if queue is not None and not isinstance(queue, (str, Broadcast)):
-            producer.maybe_declare(queue)
-
-
 def fan_out(
     app: Any,
     settings: Settings,
@@ -192,20 +172,19 @@ def fan_out(
     # The claim task's lineage, looked up once per round: Celery would look
     # up the current task twice per message sent, and keep a result object
     # for each in the claim's request (add_to_parent) until it returns.
+    # Delivery and durable tasks alike.
+    lineage: dict[str, Any] = {"add_to_parent": False}
     parent = app.current_worker_task
     if parent is not None and getattr(parent.request, "id", None):
-        common["parent_id"] = parent.request.id
-        common["root_id"] = parent.request.root_id or parent.request.id
-    common["add_to_parent"] = False
-    lineage: dict[str, Any] = {
-        k: common[k] for k in ("parent_id", "root_id", "add_to_parent") if k in common
-    }
+        lineage["parent_id"] = parent.request.id
+        lineage["root_id"] = parent.request.root_id or parent.request.id
+    common.update(lineage, declare=[])
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
             # Each delivery task's queue declared once per round, not per
-            # message (a fifth of a per-message fan-out, see _declare_queues).
-            _declare_queues(app, producer, (deliver.name, deliver_batch.name))
-            common["declare"] = []
+            # message (see declare_routed_queue).
+            for name in (deliver.name, deliver_batch.name):
+                declare_routed_queue(app, producer, name, sends.declared)
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
                     assert follow_up is not None
