@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -16,6 +17,11 @@ def noop(message: Message) -> None:
 def wait20ms(message: Message) -> None:
     """Stand-in for a receiver that answers in 20 ms."""
     time.sleep(0.02)
+
+
+async def wait20ms_async(message: Message) -> None:
+    """The same receiver awaited (an ``httpx.AsyncClient``, say), as pgqueuer's jobs wait."""
+    await asyncio.sleep(0.02)
 
 
 class _Recorder:

@@ -12,7 +12,8 @@ the median of its rounds). Scenarios, as a user configures them:
 * chunked: ``celery worker -P prefork -c PROCS`` and ``celery beat`` of the
   standalone app, ``OUTBOX_CHUNK_SIZE`` 20, 50, 200 and 500 with
   ``OUTBOX_BATCH_SIZE`` 500 (1000 for chunks of 500), everything else at its
-  default; a no-op publisher, and (chunks of 50 and 200) one that waits 20 ms.
+  default; a no-op publisher, and (chunks of 50 and 200) one that waits 20 ms,
+  and (chunks of 50) a coroutine publisher that awaits 20 ms.
 * per-message: the default mode (one ``deliver`` task per message).
 * ceiling: plain Celery tasks pre-queued on the same broker and pool, one
   that does nothing and one that does one PostgreSQL UPDATE and commit.
@@ -881,6 +882,19 @@ def main(argv: list[str] | None = None) -> int:
                             **_chunk_settings(chunk),
                         ),
                     )
+                # The same receiver awaited by a coroutine publisher (async
+                # def), as pgqueuer's jobs await theirs.
+                record(
+                    "chunked50_20ms_async",
+                    relay(
+                        b,
+                        bulk,
+                        name="relay chunked (50), 20 ms coroutine publisher",
+                        chunk=50,
+                        publisher="wait20ms_async",
+                        **_chunk_settings(50),
+                    ),
+                )
             if pgq:
                 record(
                     "pgq_20ms",
@@ -1020,6 +1034,7 @@ def _report(
         + [
             ("chunked 50, 20 ms / pgqueuer 20 ms", "chunked50_20ms", "pgq_20ms"),
             ("chunked 200, 20 ms / pgqueuer 20 ms", "chunked200_20ms", "pgq_20ms"),
+            ("chunked 50, 20 ms awaited / pgqueuer 20 ms", "chunked50_20ms_async", "pgq_20ms"),
             ("per-message / Celery UPDATE task", "per_message", "update"),
             ("per-message / Celery no-op task", "per_message", "noop"),
             ("per-message, ack_emulation on / Celery UPDATE task", "per_message_ack", "update"),

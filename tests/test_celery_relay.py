@@ -180,6 +180,28 @@ def test_chunked_mode_over_rabbitmq(recorded_dsn, amqp_broker, procs_factory):
     assert "outbox_relay.deliver_batch" in procs.procs[0].text()
 
 
+def test_a_coroutine_publisher_delivers_chunks_in_a_real_worker(
+    recorded_dsn, redis_broker, procs_factory
+):
+    # OUTBOX_PUBLISHER naming an ``async def``: each chunk's publishes are
+    # awaited together on the pool process's event loop.
+    procs = procs_factory(
+        recorded_dsn,
+        redis_broker,
+        publisher="tests.apps.recording:publish_async",
+        chunk_size=50,
+        batch_size=200,
+    )
+    procs.worker(concurrency=2)
+    procs.beat()
+    ids = enqueue_orders(recorded_dsn, 1000, payload={"await": 0.02})
+    wait_for(lambda: all_done(recorded_dsn, 1000), timeout=120, what="1000 messages done")
+    assert counts(recorded_dsn) == {"done": 1000}
+    rows = published(recorded_dsn)
+    assert sorted(r[0] for r in rows) == sorted(ids)  # each once
+    assert "outbox_relay.deliver_batch" in procs.procs[0].text()
+
+
 def test_worker_sigkilled_mid_publish_loses_nothing(recorded_dsn, redis_broker, procs_factory):
     procs = procs_factory(recorded_dsn, redis_broker, lease_seconds=6, publish_timeout_seconds=3)
     victim = procs.worker(concurrency=2)

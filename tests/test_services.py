@@ -3,6 +3,7 @@ lost progress, spent attempts it never used, or wrote state it should not."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -21,6 +22,7 @@ from outbox_relay import (
     Message,
     NewMessage,
     OutboxTable,
+    PermanentError,
     Rescuer,
     RetryableError,
     RetryPolicy,
@@ -30,6 +32,7 @@ from outbox_relay import (
 )
 from outbox_relay.db import PoolDatabase
 from outbox_relay.model import Outcome
+from outbox_relay.publishers.routing import Router
 from outbox_relay.store._base import queries
 
 LEASE = timedelta(seconds=30)
@@ -392,3 +395,117 @@ def test_relaxed_finalizes_keep_claims_durable(dsn: str) -> None:
         assert db.run(lambda conn: conn.execute("SHOW synchronous_commit").fetchone()) == ("off",)
     finally:
         db.close()
+
+
+def test_a_coroutine_publisher_publishes_a_chunk_in_waves_and_its_failures_are_classified(
+    conn: psycopg.Connection[Any],
+) -> None:
+    ids = seed(conn, 10)
+    claimed = store.claim(conn, owner="w", batch=10, lease=LEASE)
+    running: list[int] = []
+    most = [0]
+    threads: set[str] = set()
+
+    async def publish(message: Message) -> None:
+        threads.add(threading.current_thread().name)
+        running.append(message.payload["n"])
+        most[0] = max(most[0], len(running))
+        try:
+            await asyncio.sleep(0.05)
+            if message.payload["n"] == 3:
+                raise PermanentError("the receiver refused it")
+            if message.payload["n"] == 5:
+                raise RetryableError("the receiver is busy")
+        finally:
+            running.remove(message.payload["n"])
+
+    deliverer = Deliverer(publish, db=DirectDatabase(conn), publish_timeout=1, concurrency=4)
+    try:
+        assert deliverer.is_async
+        report = deliverer.deliver([m.ref for m in claimed])
+    finally:
+        deliverer.close()
+    by_id = {r[0]: r for r in rows(conn)}
+    assert (report.done, report.dead, report.retried) == (8, 1, 1)
+    assert by_id[ids[3]][1] == "dead" and "refused" in by_id[ids[3]][3]
+    assert by_id[ids[5]][1] == "pending" and "busy" in by_id[ids[5]][3]
+    assert all(by_id[i][1] == "done" for n, i in enumerate(ids) if n not in (3, 5))
+    # Up to the concurrency at once, all on the deliverer's one event loop.
+    assert most[0] == 4
+    assert threads == {"outbox-publish-loop"}
+
+
+def test_an_interrupted_chunk_of_a_coroutine_publisher_leaves_running_publishes_leased(
+    conn: psycopg.Connection[Any],
+) -> None:
+    ids = seed(conn, 5)
+    claimed = store.claim(conn, owner="w", batch=5, lease=LEASE)
+    release = threading.Event()
+    calls: list[int] = []
+
+    async def publish(message: Message) -> None:
+        calls.append(message.payload["n"])
+        while message.payload["n"] >= 1 and not release.is_set():
+            await asyncio.sleep(0.01)  # still publishing when the soft time limit fires
+
+    deliverer = Deliverer(publish, db=DirectDatabase(conn), publish_timeout=1, concurrency=2)
+    try:
+        _deliver_until_soft_limit(deliverer, [m.ref for m in claimed])
+    finally:
+        release.set()
+        time.sleep(0.1)
+        deliverer.close()
+    by_id = {r[0]: r for r in rows(conn)}
+    # As with threads: published is done, under way keeps its lease, never
+    # started goes back with its attempt refunded; nothing starts afterwards.
+    assert sorted(calls) == [0, 1, 2]
+    assert [by_id[i][1] for i in ids] == ["done", "processing", "processing", "pending", "pending"]
+    assert [by_id[i][2] for i in ids] == [1, 1, 1, 0, 0]
+
+
+def test_a_routing_table_with_a_coroutine_route_is_awaited_and_its_plain_routes_run_in_threads(
+    conn: psycopg.Connection[Any],
+) -> None:
+    ids = seed(conn, 2)
+    conn.execute("UPDATE outbox SET event_type = 'user.created' WHERE id = %s", (ids[1],))
+    claimed = store.claim(conn, owner="w", batch=2, lease=LEASE)
+    where: dict[str, str] = {}
+
+    async def awaited(message: Message) -> None:
+        where[message.event_type] = threading.current_thread().name
+
+    def plain(message: Message) -> None:
+        where[message.event_type] = threading.current_thread().name
+
+    router = Router({"order.*": awaited, "user.*": plain})
+    assert router.is_async
+    deliverer = Deliverer(router, db=DirectDatabase(conn), publish_timeout=1, concurrency=4)
+    try:
+        assert deliverer.deliver([m.ref for m in claimed]).done == 2
+    finally:
+        deliverer.close()
+    assert where["order.paid"] == "outbox-publish-loop"
+    assert where["user.created"] not in ("outbox-publish-loop", threading.current_thread().name)
+
+
+def test_an_awaitable_returned_by_a_plain_publisher_is_awaited_not_dropped(
+    conn: psycopg.Connection[Any],
+) -> None:
+    seed(conn, 3)
+    claimed = store.claim(conn, owner="w", batch=3, lease=LEASE)
+    published: list[int] = []
+
+    async def send(message: Message) -> None:
+        await asyncio.sleep(0.01)
+        published.append(message.id)
+
+    def wrapper(message: Message) -> Any:  # not declared async: returns the coroutine
+        return send(message)
+
+    deliverer = Deliverer(wrapper, db=DirectDatabase(conn), publish_timeout=1, concurrency=2)
+    try:
+        assert not deliverer.is_async
+        assert deliverer.deliver([m.ref for m in claimed]).done == 3
+    finally:
+        deliverer.close()
+    assert sorted(published) == sorted(m.id for m in claimed)

@@ -34,6 +34,7 @@ from ..errors import ConfigError, OutboxError, PermanentError, RetryableError
 from ..model import Message
 from ..outbox import Outbox
 from ..publishers import CeleryTaskPublisher, Router, publisher_timeout, resolve_publisher
+from ..publishers.protocol import is_async_publisher
 from ..services import Claimer, Deliverer, LeaseKeeper, Observer, Publisher, Purger, Rescuer
 from ..services.policy import RetryPolicy
 from . import names
@@ -113,13 +114,26 @@ def _translate_celery_retry(publisher: Publisher) -> Publisher:
     """
     from celery.exceptions import Retry
 
+    def translated(exc: Retry) -> RetryableError:
+        when = exc.when
+        delay = float(when) if isinstance(when, (int, float)) else None
+        return RetryableError(f"publisher asked to retry: {exc}", retry_after=delay)
+
+    if is_async_publisher(publisher):
+        # A coroutine publisher stays one, so that the deliverer awaits it.
+        async def publish_async(message: Message) -> Any:
+            try:
+                return await publisher(message)
+            except Retry as exc:
+                raise translated(exc) from exc
+
+        return publish_async
+
     def publish(message: Message) -> Any:
         try:
             return publisher(message)
         except Retry as exc:
-            when = exc.when
-            delay = float(when) if isinstance(when, (int, float)) else None
-            raise RetryableError(f"publisher asked to retry: {exc}", retry_after=delay) from exc
+            raise translated(exc) from exc
 
     return publish
 

@@ -9,13 +9,20 @@ publishers (webhook, broker, celery_task, routing) import only this module;
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
 from ..model import Message
 
-__all__ = ["Publisher", "import_object", "load_callable", "publisher_timeout"]
+__all__ = [
+    "Publisher",
+    "import_object",
+    "is_async_publisher",
+    "load_callable",
+    "publisher_timeout",
+]
 
 Publisher = Callable[[Message], Any]
 
@@ -61,3 +68,15 @@ def publisher_timeout(publisher: Publisher) -> float | None:
     """
     value = getattr(publisher, "timeout_seconds", None)
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def is_async_publisher(publisher: Publisher) -> bool:
+    """Whether ``publisher`` is a coroutine function (``async def publish(message)``,
+    or an object whose ``__call__`` is one): the relay then awaits each
+    publish on an event loop of its own instead of calling it in a thread."""
+    flag = getattr(publisher, "is_async", None)
+    if isinstance(flag, bool):
+        return flag  # a Router says for its routes
+    return inspect.iscoroutinefunction(publisher) or inspect.iscoroutinefunction(
+        getattr(publisher, "__call__", None)  # noqa: B004 - the method, not callable()
+    )

@@ -13,6 +13,7 @@ A routing table in configuration (``{pattern: spec}``) becomes a Router in
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError, PermanentError
 from ..model import Message
-from .protocol import Publisher, publisher_timeout
+from .protocol import Publisher, is_async_publisher, publisher_timeout
 
 __all__ = ["Router"]
 
@@ -39,6 +40,11 @@ class Router:
         )
         self._default = default
         self._lookup = lru_cache(maxsize=1024)(self._find)
+        # The relay awaits a coroutine publisher on an event loop and calls a
+        # plain one in a thread. A table with a coroutine route is awaited; its
+        # plain routes (the Celery relay's canvas route, say) then run in a
+        # thread of their own (asyncio.to_thread), never on the loop.
+        self.is_async = any(is_async_publisher(p) for p in self.publishers)
 
     @property
     def publishers(self) -> list[Publisher]:
@@ -85,6 +91,8 @@ class Router:
         publisher = self.route(message.event_type)
         if publisher is None:
             raise PermanentError(f"no publisher route for event type {message.event_type!r}")
+        if self.is_async and not is_async_publisher(publisher):
+            return asyncio.to_thread(publisher, message)
         return publisher(message)
 
 

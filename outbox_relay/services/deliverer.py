@@ -24,6 +24,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -39,6 +41,7 @@ from ..db import Database
 from ..errors import PermanentError, RetryableError
 from ..model import Claimed, LeaseRef, Message, Outcome
 from ..producer import RESERVED_EVENT_TYPES
+from ..publishers.protocol import is_async_publisher
 from ..store.relay import Began
 from ..table import OutboxTable
 from ..tracing import PublishTracer, default_tracer
@@ -132,6 +135,44 @@ class _Run:
     results: list[_Result] = field(default_factory=list)
 
 
+class _Attempt:
+    """One publish under way: its message, span and clock (sync or async alike)."""
+
+    def __init__(self, deliverer: Deliverer, row: Began) -> None:
+        self.deliverer = deliverer
+        self.row = row
+        self.started = time.perf_counter()
+        message = row.claimed.to_message(deliverer.prefix)
+        tracer = deliverer.tracer
+        self.span = tracer.start(message) if tracer is not None else None
+        self.message = self.span.message if self.span is not None else message
+        # For the span: the row's next status ("interrupted" if the publish
+        # never returned, e.g. the worker is shutting down).
+        self.outcome = "interrupted"
+        self.error: BaseException | None = None
+
+    def failed(self, exc: Exception) -> _Result:
+        d, msg = self.deliverer, self.row.claimed
+        self.error = exc
+        if self.span is not None:
+            self.outcome = classify(exc, msg, d.policy, age_seconds=self.row.age_seconds).status
+        if not d.policy.is_classified(exc):
+            log.error(
+                "publisher raised an unclassified error for outbox message %s; "
+                "retrying it as transient",
+                msg.id,
+                exc_info=exc,
+            )
+        return exc, time.perf_counter() - self.started
+
+    def succeeded(self) -> _Result:
+        return None, time.perf_counter() - self.started
+
+    def close(self) -> None:
+        if self.span is not None:
+            self.span.end(self.outcome, self.error)
+
+
 class Deliverer:
     """Delivers leased messages: the step every delivery path shares.
 
@@ -175,6 +216,9 @@ class Deliverer:
         self.interruptions = interruptions
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        # A coroutine publisher runs on an event loop of its own (_loop).
+        self.is_async = is_async_publisher(publisher)
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         # How long a publish has taken lately (None: not known yet); see _publish_all.
         self._publish_seconds: float | None = None
 
@@ -255,53 +299,68 @@ class Deliverer:
         return ready, released
 
     # ------------------------------------------------------------ publishing
-    def _publish(self, row: Began, hold: Hold | None, stop: threading.Event) -> _Result:
-        msg = row.claimed
+    def _refusal(
+        self, msg: Claimed, hold: Hold | None, stop: threading.Event
+    ) -> BaseException | _NotPublished | None:
+        """Why this row must not be published now, if it must not."""
         if msg.event_type in RESERVED_EVENT_TYPES:
             # A durable Celery task's row: the Celery relay sends it as the
             # task itself; published as a message, it would never run.
             return PermanentError(
                 f"outbox message {msg.id} is a durable Celery task ({msg.event_type}): only "
                 "the Celery relay (outbox_relay.install) runs it, not a publisher"
-            ), 0.0
+            )
         if stop.is_set():
-            return _NotPublished("the delivery task was interrupted"), 0.0
+            return _NotPublished("the delivery task was interrupted")
         if hold is not None and not hold.alive(msg.ref, self.publish_timeout):
             # Lost, or too little left for one more publish: a later wave of
             # the chunk is not published past its lease.
-            return _NotPublished("the chunk's lease was lost or ran short"), 0.0
-        started = time.perf_counter()
-        message = msg.to_message(self.prefix)
-        span = self.tracer.start(message) if self.tracer is not None else None
-        # For the span: the row's next status ("interrupted" if the publish
-        # never returned, e.g. the worker is shutting down).
-        outcome: str = "interrupted"
-        error: BaseException | None = None
+            return _NotPublished("the chunk's lease was lost or ran short")
+        return None
+
+    def _publish(self, row: Began, hold: Hold | None, stop: threading.Event) -> _Result:
+        refused = self._refusal(row.claimed, hold, stop)
+        if refused is not None:
+            return refused, 0.0
+        attempt = _Attempt(self, row)
         try:
-            self.publisher(span.message if span is not None else message)
-            outcome = "done"
+            returned = self.publisher(attempt.message)
+            if inspect.isawaitable(returned):
+                # A publisher not declared ``async def`` that returned an
+                # awaitable anyway (a wrapper, a partial): awaited on the
+                # deliverer's loop, never dropped unawaited as if published.
+                asyncio.run_coroutine_threadsafe(_awaited(returned), self._loop()).result()
+            attempt.outcome = "done"
         except self.interruptions:
             raise
         except Exception as exc:
-            error = exc
-            if span is not None:
-                outcome = classify(exc, msg, self.policy, age_seconds=row.age_seconds).status
-            if not self.policy.is_classified(exc):
-                log.error(
-                    "publisher raised an unclassified error for outbox message %s; "
-                    "retrying it as transient",
-                    msg.id,
-                    exc_info=exc,
-                )
-            return exc, time.perf_counter() - started
+            return attempt.failed(exc)
         finally:
-            if span is not None:
-                span.end(outcome, error)
-        return None, time.perf_counter() - started
+            attempt.close()
+        return attempt.succeeded()
+
+    async def _publish_async(self, row: Began, hold: Hold | None, stop: threading.Event) -> _Result:
+        """``_publish`` for a coroutine publisher, on the deliverer's event loop."""
+        refused = self._refusal(row.claimed, hold, stop)
+        if refused is not None:
+            return refused, 0.0
+        attempt = _Attempt(self, row)
+        try:
+            await self.publisher(attempt.message)
+            attempt.outcome = "done"
+        except Exception as exc:
+            return attempt.failed(exc)
+        finally:
+            attempt.close()
+        return attempt.succeeded()
 
     def publish_one(self, row: Began) -> tuple[BaseException | None, float]:
-        """Publish one begun row in this thread (the plain loop's step)."""
-        result, seconds = self._publish(row, None, threading.Event())
+        """Publish one begun row, waiting for it here (the plain loop's step)."""
+        if self.is_async:
+            coroutine = self._publish_async(row, None, threading.Event())
+            result, seconds = asyncio.run_coroutine_threadsafe(coroutine, self._loop()).result()
+        else:
+            result, seconds = self._publish(row, None, threading.Event())
         assert not isinstance(result, (_NotPublished, _Unfinished))
         return result, seconds
 
@@ -313,7 +372,45 @@ class Deliverer:
                 )
             return self._executor
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of a coroutine publisher: one per deliverer, in a
+        thread of its own, made on first use (so after a fork)."""
+        with self._executor_lock:
+            if self._event_loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="outbox-publish-loop", daemon=True
+                ).start()
+                self._event_loop = loop
+            return self._event_loop
+
+    def _publish_all_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
+        """A chunk's publishes as coroutines, up to ``concurrency`` at once, in
+        row order: the waves of the threaded path, without a thread hand-off
+        per publish. An interruption (raised here, in the task's thread, while
+        it waits) leaves the publishes under way running, as threads would."""
+        run.slots = [None] * len(rows)
+        run.taken = [False] * len(rows)
+
+        async def publish(index: int, gate: asyncio.Semaphore) -> None:
+            async with gate:
+                with run.lock:
+                    if run.stop.is_set():
+                        return  # never taken: given back unpublished
+                    run.taken[index] = True
+                run.slots[index] = await self._publish_async(rows[index], hold, run.stop)
+
+        async def publish_all() -> None:
+            gate = asyncio.Semaphore(self.concurrency)
+            await asyncio.gather(*(publish(i, gate) for i in range(len(rows))))
+
+        asyncio.run_coroutine_threadsafe(publish_all(), self._loop()).result()
+        run.results = [slot for slot in run.slots if slot is not None]
+
     def _publish_all(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
+        if self.is_async and rows:
+            self._publish_all_async(rows, hold, run)
+            return
         if len(rows) <= 1 or self.concurrency == 1:
             for row in rows:
                 run.results.append(self._publish(row, hold, run.stop))
@@ -474,6 +571,13 @@ class Deliverer:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
+            if self._event_loop is not None:
+                self._event_loop.call_soon_threadsafe(self._event_loop.stop)
+                self._event_loop = None
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _pair(ref: LeaseRef) -> tuple[int, int]:

@@ -12,6 +12,7 @@ fails, ``{"fail_times": 2}`` fails transiently for the first two attempts.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -66,3 +67,12 @@ def publish(message: Message) -> None:
             os.getpid(),
         ),
     )
+
+
+async def publish_async(message: Message) -> None:
+    """``publish`` as a coroutine publisher (``async def``): the relay awaits
+    it on an event loop of its own. The wait is awaited; the recording
+    insert is the same blocking one (quick, and what is counted)."""
+    payload = message.payload if isinstance(message.payload, dict) else {}
+    await asyncio.sleep(float(payload.get("await", 0.01)))
+    publish(message)
