@@ -44,7 +44,9 @@ class Router:
         # plain one in a thread. A table with a coroutine route is awaited; its
         # plain routes (the Celery relay's canvas route, say) then run in a
         # thread of their own (asyncio.to_thread), never on the loop.
-        self.is_async = any(is_async_publisher(p) for p in self.publishers)
+        plain = [p for p in self.publishers if not is_async_publisher(p)]
+        self.is_async = len(plain) < len(self.publishers)
+        self._threaded = {id(p) for p in plain} if self.is_async else set()
 
     @property
     def publishers(self) -> list[Publisher]:
@@ -91,7 +93,7 @@ class Router:
         publisher = self.route(message.event_type)
         if publisher is None:
             raise PermanentError(f"no publisher route for event type {message.event_type!r}")
-        if self.is_async and not is_async_publisher(publisher):
+        if id(publisher) in self._threaded:
             return asyncio.to_thread(publisher, message)
         return publisher(message)
 

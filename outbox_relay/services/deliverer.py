@@ -29,12 +29,12 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from .. import store
 from ..db import Database
@@ -51,6 +51,7 @@ from .policy import RetryPolicy, classify
 __all__ = ["RAMP_SECONDS", "Deliverer", "DeliveryReport", "Observer", "Publisher"]
 
 log = logging.getLogger("outbox_relay.deliverer")
+T = TypeVar("T")
 
 Publisher = Callable[[Message], Any]
 
@@ -329,7 +330,7 @@ class Deliverer:
                 # A publisher not declared ``async def`` that returned an
                 # awaitable anyway (a wrapper, a partial): awaited on the
                 # deliverer's loop, never dropped unawaited as if published.
-                asyncio.run_coroutine_threadsafe(_awaited(returned), self._loop()).result()
+                self._wait_on_loop(_awaited(returned))
             attempt.outcome = "done"
         except self.interruptions:
             raise
@@ -357,8 +358,7 @@ class Deliverer:
     def publish_one(self, row: Began) -> tuple[BaseException | None, float]:
         """Publish one begun row, waiting for it here (the plain loop's step)."""
         if self.is_async:
-            coroutine = self._publish_async(row, None, threading.Event())
-            result, seconds = asyncio.run_coroutine_threadsafe(coroutine, self._loop()).result()
+            result, seconds = self._wait_on_loop(self._publish_async(row, None, threading.Event()))
         else:
             result, seconds = self._publish(row, None, threading.Event())
         assert not isinstance(result, (_NotPublished, _Unfinished))
@@ -384,6 +384,11 @@ class Deliverer:
                 self._event_loop = loop
             return self._event_loop
 
+    def _wait_on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the deliverer's loop; wait for it in this thread
+        (where an interruption such as a soft time limit is raised)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop()).result()
+
     def _publish_all_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
         """A chunk's publishes as coroutines, up to ``concurrency`` at once, in
         row order: the waves of the threaded path, without a thread hand-off
@@ -404,7 +409,7 @@ class Deliverer:
             gate = asyncio.Semaphore(self.concurrency)
             await asyncio.gather(*(publish(i, gate) for i in range(len(rows))))
 
-        asyncio.run_coroutine_threadsafe(publish_all(), self._loop()).result()
+        self._wait_on_loop(publish_all())
         run.results = [slot for slot in run.slots if slot is not None]
 
     def _publish_all(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
