@@ -22,7 +22,16 @@ from typing import Any
 
 import psycopg
 
-from benchmarks.run import Bench, Figure, Probe, celery_env, database, redis_client
+from benchmarks.run import (
+    Bench,
+    CpuMeter,
+    Figure,
+    Probe,
+    _worker_groups,
+    celery_env,
+    database,
+    redis_client,
+)
 from tests.celery_procs import CeleryProcs
 
 
@@ -97,14 +106,25 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                 concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
             )
             progress = Progress(dsn)
+            cpu = CpuMeter(progress, _worker_groups(worker.popen.pid))
+            next_sample = [0.0]
 
             def started() -> bool:
                 if not worker.alive():
                     raise RuntimeError(f"durable: worker exited:\n{worker.text()[-2000:]}")
+                # The window starts at the last look before the first row is
+                # taken: the worker's start-up is not charged.
+                cpu.begin()
                 return progress.started()
 
+            def finished() -> bool:
+                if time.monotonic() >= next_sample[0]:
+                    cpu.sample()  # pool processes and backends as they come and go
+                    next_sample[0] = time.monotonic() + 0.5
+                return progress.finished()
+
             try:
-                seconds = wait_progress(started, progress.finished, timeout=900, poll=0.05)
+                seconds = wait_progress(started, finished, timeout=900, poll=0.05)
                 if progress.done() != n:
                     raise RuntimeError(f"durable: only {progress.done()} of {n} done")
                 row = progress.conn.execute(
@@ -112,17 +132,22 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                 ).fetchone()
                 if row is None or row[0]:
                     raise RuntimeError(f"durable: {row} items without their effect")
+                charged = Figure("durable", n, seconds)
+                cpu.charge(charged)
+                used = (charged.cpu_us, charged.cpu_split)
             finally:
                 progress.close()
         finally:
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
     acks = "" if ack_emulation else ", Redis ack_emulation off"
-    return Figure(
+    figure = Figure(
         f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}{acks}",
         n,
         seconds,
     )
+    figure.cpu_us, figure.cpu_split = used
+    return figure
 
 
 # ------------------------------------------------------------------ report

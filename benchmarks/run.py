@@ -44,6 +44,7 @@ connections are sampled while the relay runs. Results go to stdout and to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -895,6 +896,21 @@ def main(argv: list[str] | None = None) -> int:
                         **_chunk_settings(50),
                     ),
                 )
+                if not args.quick:
+                    # What docs/operations.md advises for a slow receiver:
+                    # each pool process publishes one chunk at a time, so
+                    # twice the pool keeps twice the chunks in flight.
+                    record(
+                        "chunked50_20ms_async_c2",
+                        relay(
+                            dataclasses.replace(b, procs=2 * b.procs),
+                            bulk,
+                            name=f"relay chunked (50), 20 ms coroutine publisher, -c {2 * b.procs}",
+                            chunk=50,
+                            publisher="wait20ms_async",
+                            **_chunk_settings(50),
+                        ),
+                    )
             if pgq:
                 record(
                     "pgq_20ms",
@@ -1035,6 +1051,11 @@ def _report(
             ("chunked 50, 20 ms / pgqueuer 20 ms", "chunked50_20ms", "pgq_20ms"),
             ("chunked 200, 20 ms / pgqueuer 20 ms", "chunked200_20ms", "pgq_20ms"),
             ("chunked 50, 20 ms awaited / pgqueuer 20 ms", "chunked50_20ms_async", "pgq_20ms"),
+            (
+                "chunked 50, 20 ms awaited, twice the pool / pgqueuer 20 ms",
+                "chunked50_20ms_async_c2",
+                "pgq_20ms",
+            ),
             ("per-message / Celery UPDATE task", "per_message", "update"),
             ("per-message / Celery no-op task", "per_message", "noop"),
             ("per-message, ack_emulation on / Celery UPDATE task", "per_message_ack", "update"),
