@@ -13,7 +13,9 @@ the median of its rounds). Scenarios, as a user configures them:
   standalone app, ``OUTBOX_CHUNK_SIZE`` 20, 50, 200 and 500 with
   ``OUTBOX_BATCH_SIZE`` 500 (1000 for chunks of 500), everything else at its
   default; a no-op publisher, and (chunks of 50 and 200) one that waits 20 ms,
-  and (chunks of 50) a coroutine publisher that awaits 20 ms.
+  and (chunks of 50) a coroutine publisher that awaits 20 ms, also with
+  twice the pool (``-c 2*PROCS``, docs/operations.md's advice for a slow
+  receiver).
 * per-message: the default mode (one ``deliver`` task per message).
 * ceiling: plain Celery tasks pre-queued on the same broker and pool, one
   that does nothing and one that does one PostgreSQL UPDATE and commit.
