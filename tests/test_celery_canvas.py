@@ -372,6 +372,35 @@ def test_a_broker_that_refuses_is_a_retry_within_the_budget(url: str) -> None:
     assert time.monotonic() - started < 3.0 + 1.0, "no retry loop inside the send"
 
 
+def test_the_publishers_app_and_the_relay_app_share_kombus_pool_limit() -> None:
+    """kombu keeps one connection-pool limit per process; each app's first use
+    of its pool sets it and resizes every pool, and shrinking one in use
+    raises. The publisher's app once had a larger limit (its chunk's
+    concurrency): the relay app's first send in a pool process then failed
+    the canvas being published ("Can't shrink pool when in use: was=200
+    now=10", seen in CI's bench-quick)."""
+    from outbox_relay import Message
+
+    url = services.redis_url()
+    queue = f"pool-limit-{uuid.uuid4().hex[:8]}"
+    relay_app = Celery("relay-limit", broker=url, set_as_current=False)
+    publisher = CanvasPublisher(relay_app, budget=3.0, concurrency=200)
+    row, _ = prepare_canvas(user.step.s(tag="limit"), {"queue": queue})
+    message = Message(
+        5, "k", "celery", row.aggregate_id, row.event_type, row.payload, {}, 1, 1, None
+    )
+    try:
+        with publisher.app.connection_or_acquire():  # a send of a chunk, under way
+            # The relay app's first send in this process (a claim hint, say).
+            relay_app.send_task("canvas.step", kwargs={"tag": "hint"}, queue=queue)
+            publisher(message)
+        assert services.queued(relay_app, queue) == 2
+    finally:
+        services.queued(relay_app, queue, purge=True)
+        publisher.close()
+        relay_app.close()
+
+
 def test_headers_given_to_a_whole_canvas_still_carry_the_row() -> None:
     from outbox_relay import Message
 

@@ -238,3 +238,30 @@ def test_broker_down_is_retryable(conn: psycopg.Connection) -> None:
     assert row is not None
     assert (row["status"], row["attempts"]) == ("pending", 1)
     assert row["last_error"].startswith("retryable: RetryableError: task consumer.record_effect")
+
+
+def test_an_app_of_its_own_keeps_the_worker_apps_pool_limit() -> None:
+    """kombu keeps one connection-pool limit per process, reset by each app's
+    first use of its pool; a pool in use that the reset would shrink raises
+    ("Can't shrink pool when in use"). With a broker_url the publisher sends
+    through an app of its own: it takes the process app's limit (a worker's
+    own app, here with broker_pool_limit=3), so neither first use resizes
+    the other's pool."""
+    from celery import Celery, current_app
+
+    url = services.redis_url()
+    queue = f"pool-limit-{uuid.uuid4().hex[:8]}"
+    previous = current_app._get_current_object()
+    worker_app = Celery("worker-limit", broker=url, set_as_current=True)
+    worker_app.conf.broker_pool_limit = 3
+    publisher = CeleryTaskPublisher("consumer.record_effect", broker_url=url, queue=queue)
+    try:
+        assert publisher.app.conf.broker_pool_limit == 3
+        with publisher.app.connection_or_acquire():  # a publish under way
+            # The worker app's first send in this process.
+            worker_app.send_task("consumer.record_effect", args=(1,), queue=queue)
+        assert services.queued(worker_app, queue) == 1
+    finally:
+        services.queued(worker_app, queue, purge=True)
+        previous.set_current()
+        worker_app.close()

@@ -174,7 +174,7 @@ class CeleryTaskPublisher:
 
     # ------------------------------------------------------------------ app
     def _build_app(self) -> Any:
-        from celery import Celery
+        from celery import Celery, current_app
 
         app = Celery("outbox_relay.task_publisher", broker=self._broker_url, set_as_current=False)
         app.conf.update(
@@ -185,6 +185,12 @@ class CeleryTaskPublisher:
             # until broker_connection_timeout ran out, inside our publish.
             broker_transport_options={"confirm_publish": True, "max_retries": 0},
             broker_connection_timeout=self.connect_timeout,
+            # kombu keeps one pool limit per process and every app's first
+            # use of its pool resets it: the same limit as the process's app
+            # (a worker's own), or one of them would shrink the other's pool
+            # while it is in use, which raises.
+            broker_pool_limit=current_app.conf.broker_pool_limit,
+            broker_pool_acquire_timeout=self.connect_timeout,
         )
         return app
 
