@@ -27,10 +27,10 @@ from benchmarks.run import (
     CpuMeter,
     Figure,
     Probe,
-    _worker_groups,
     celery_env,
     database,
     redis_client,
+    worker_groups,
 )
 from tests.celery_procs import CeleryProcs
 
@@ -106,7 +106,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                 concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
             )
             progress = Progress(dsn)
-            cpu = CpuMeter(progress, _worker_groups(worker.popen.pid))
+            cpu = CpuMeter(progress, worker_groups(worker.popen.pid))
             next_sample = [0.0]
 
             def started() -> bool:
@@ -132,21 +132,19 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                 ).fetchone()
                 if row is None or row[0]:
                     raise RuntimeError(f"durable: {row} items without their effect")
-                charged = Figure("durable", n, seconds)
-                cpu.charge(charged)
-                used = (charged.cpu_us, charged.cpu_split)
+                acks = "" if ack_emulation else ", Redis ack_emulation off"
+                figure = Figure(
+                    f"durable task (UPDATE with its done), relay-sent, "
+                    f"in-flight cap {in_flight}{acks}",
+                    n,
+                    seconds,
+                )
+                cpu.charge(figure)
             finally:
                 progress.close()
         finally:
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
-    acks = "" if ack_emulation else ", Redis ack_emulation off"
-    figure = Figure(
-        f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}{acks}",
-        n,
-        seconds,
-    )
-    figure.cpu_us, figure.cpu_split = used
     return figure
 
 

@@ -309,7 +309,7 @@ class CpuMeter:
         )
 
 
-def _worker_groups(pid: int) -> dict[str, Callable[[], list[int]]]:
+def worker_groups(pid: int) -> dict[str, Callable[[], list[int]]]:
     """A Celery worker's main process, and its pool children."""
     return {"worker main": lambda: [pid], "pool": lambda: _tree_pids(pid)[1:]}
 
@@ -416,7 +416,7 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
                     raise TimeoutError("baseline tasks never started")
                 time.sleep(0.02)
             # From the first task taken: the worker's start-up is not counted.
-            cpu = CpuMeter(probe, _worker_groups(worker.popen.pid))
+            cpu = CpuMeter(probe, worker_groups(worker.popen.pid))
             cpu.begin()
             t0 = time.monotonic()
             while True:
@@ -494,7 +494,7 @@ def relay(
             first = probe.last_id()
             costs = Costs(probe, counts)
             costs.start()
-            cpu = CpuMeter(probe, _worker_groups(worker.popen.pid))
+            cpu = CpuMeter(probe, worker_groups(worker.popen.pid))
             cpu.begin()
             rss: list[float] = []
             conns: list[int] = []

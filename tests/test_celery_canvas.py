@@ -74,6 +74,7 @@ def relay(tmp_path: Path) -> Iterator[Any]:
         backend: str | None = None,
         beat: bool = True,
         events: bool = False,
+        settings: dict[str, str] | None = None,
     ) -> Any:
         env = {
             "CANVAS_DSN": dsn,
@@ -84,6 +85,7 @@ def relay(tmp_path: Path) -> Iterator[Any]:
             "OUTBOX_QUEUE": _queue(),
             # Faster ticks for the test's sake; nothing else is set (no publisher).
             "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
+            **(settings or {}),
         }
         procs = CeleryProcs(env, tmp_path, app="tests.apps.canvas")
         procs.env.pop("OUTBOX_PUBLISHER", None)
@@ -384,7 +386,9 @@ def test_the_publishers_app_and_the_relay_app_share_kombus_pool_limit() -> None:
     url = services.redis_url()
     queue = f"pool-limit-{uuid.uuid4().hex[:8]}"
     relay_app = Celery("relay-limit", broker=url, set_as_current=False)
+    relay_app.conf.broker_pool_limit = 3
     publisher = CanvasPublisher(relay_app, budget=3.0, concurrency=200)
+    assert publisher.app.conf.broker_pool_limit == 3
     row, _ = prepare_canvas(user.step.s(tag="limit"), {"queue": queue})
     message = Message(
         5, "k", "celery", row.aggregate_id, row.event_type, row.payload, {}, 1, 1, None
@@ -399,6 +403,32 @@ def test_the_publishers_app_and_the_relay_app_share_kombus_pool_limit() -> None:
         services.queued(relay_app, queue, purge=True)
         publisher.close()
         relay_app.close()
+
+
+def test_chunks_of_canvases_are_sent_once_each_by_a_chunked_relay(
+    canvas_dsn: str, relay: Any
+) -> None:
+    """The relay in chunks (deliver_batch, concurrent sends through the
+    publisher's app beside the relay app's own claim hints, in every pool
+    process): each canvas sent with its ids at the first attempt."""
+    procs = relay(
+        canvas_dsn,
+        services.redis_url(),
+        settings={"OUTBOX_CHUNK_SIZE": "25", "OUTBOX_BATCH_SIZE": "100"},
+    )
+    tags = [f"c{n}" for n in range(200)]
+    with psycopg.connect(canvas_dsn) as conn, conn.transaction():
+        results = [outbox_relay.apply_async(conn, user.step.s(tag=tag)) for tag in tags]
+    runs = _wait_steps(canvas_dsn, len(tags), *tags, procs=procs)
+    assert sorted((r["tag"], r["task_id"]) for r in runs) == sorted(
+        zip(tags, (r.id for r in results))
+    )
+    rows = _rows(
+        canvas_dsn,
+        "SELECT status, attempts, last_error FROM outbox WHERE event_type = %s",
+        (CANVAS_EVENT_TYPE,),
+    )
+    assert sorted(set(rows)) == [("done", 1, None)], rows[:5]
 
 
 def test_headers_given_to_a_whole_canvas_still_carry_the_row() -> None:

@@ -529,14 +529,14 @@ class CanvasPublisher:
             broker_transport_options=transport,
             broker_connection_timeout=self.connect_timeout,
             broker_connection_retry=False,
-            # The relay app's broker_pool_limit stays (copied above): kombu
-            # keeps one pool limit per process, each app's first use of its
-            # pool sets it and resizes every pool, and shrinking a pool in
-            # use raises ("Can't shrink pool when in use"; with a larger limit
-            # here, the relay app's own first send did that to a chunk being
-            # published). A chunk's concurrent sends beyond the limit wait
-            # for a pooled connection instead, for at most the connect
-            # timeout (then a retryable broker error).
+            # The relay app's own limit: kombu keeps one pool limit per
+            # process, each app's first use of its pool sets it and resizes
+            # every pool, and shrinking a pool in use raises ("Can't shrink
+            # pool when in use"; with a larger limit here, the relay app's
+            # first send did that to a chunk being published). A chunk's
+            # sends beyond the limit wait for a pooled connection instead,
+            # for at most the connect timeout (then a retryable broker error).
+            broker_pool_limit=conf.broker_pool_limit,
             broker_pool_acquire_timeout=self.connect_timeout,
             task_publish_retry=False,
             # Never run a canvas inside the relay.
