@@ -11,6 +11,9 @@ from typing import Any
 
 import psycopg
 from celery import Celery
+from celery.signals import worker_process_init
+
+from benchmarks import timeline
 
 app = Celery("bench-baseline", broker=os.environ.get("CELERY_BROKER_URL"))
 app.conf.update(
@@ -20,6 +23,12 @@ app.conf.update(
     task_default_queue="baseline",
     broker_connection_retry_on_startup=True,
 )
+
+
+@worker_process_init.connect  # type: ignore[untyped-decorator]
+def _timeline_in_child(**_: Any) -> None:
+    timeline.install()  # when BENCH_TIMELINE_DIR is set; these tasks count as "other"
+
 
 _conn: psycopg.Connection[Any] | None = None
 _pid: int | None = None

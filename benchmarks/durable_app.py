@@ -12,8 +12,10 @@ import os
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_process_init
 
 import outbox_relay
+from benchmarks import timeline
 from outbox_relay.celery import DurableTask
 
 app = Celery("bench-durable", broker=os.environ.get("CELERY_BROKER_URL"))
@@ -29,6 +31,11 @@ app.conf.update(
 @app.task(name="bench.durable_update", base=DurableTask, bind=True)
 def durable_update(self: Any, item: int) -> None:
     self.outbox_conn.execute("UPDATE bench_items SET done = true WHERE id = %s", (item,))
+
+
+@worker_process_init.connect  # type: ignore[untyped-decorator]
+def _timeline_in_child(**_: Any) -> None:
+    timeline.install()  # when BENCH_TIMELINE_DIR is set; durable runs count as "other"
 
 
 if os.environ.get("BENCH_ACK_EMULATION") == "false":

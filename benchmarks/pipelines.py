@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 
+from benchmarks import timeline
 from benchmarks.run import (
     Bench,
     CpuMeter,
@@ -99,6 +100,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
         env = celery_env(dsn, b.broker, max_in_flight=in_flight)
         env["BENCH_ACK_EMULATION"] = "true" if ack_emulation else "false"
+        env["BENCH_TIMELINE_DIR"] = str(folder / "timeline")
         runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
         try:
             runner.beat()
@@ -108,6 +110,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
             progress = Progress(dsn)
             cpu = CpuMeter(progress, worker_groups(worker.popen.pid))
             next_sample = [0.0]
+            window = [0.0]
 
             def started() -> bool:
                 if not worker.alive():
@@ -115,6 +118,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                 # The window starts at the last look before the first row is
                 # taken: the worker's start-up is not charged.
                 cpu.begin()
+                window[0] = time.time()
                 return progress.started()
 
             def finished() -> bool:
@@ -125,6 +129,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
 
             try:
                 seconds = wait_progress(started, finished, timeout=900, poll=0.05)
+                window_end = time.time()
                 if progress.done() != n:
                     raise RuntimeError(f"durable: only {progress.done()} of {n} done")
                 row = progress.conn.execute(
@@ -140,6 +145,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                     seconds,
                 )
                 cpu.charge(figure)
+                figure.pool = timeline.shares(folder / "timeline", window[0], window_end)
             finally:
                 progress.close()
         finally:

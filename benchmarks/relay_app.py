@@ -2,7 +2,8 @@
 
 ``celery -A benchmarks.relay_app worker`` runs exactly ``outbox_relay.app``;
 only the driver-side counters of ``benchmarks/counting.py`` are added, in the
-main process and again in every pool child after it forks.
+main process and again in every pool child after it forks, and in each pool
+child the task timeline of ``benchmarks/timeline.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from celery.signals import worker_process_init
 
-from benchmarks import counting
+from benchmarks import counting, timeline
 from outbox_relay.app import app
 
 __all__ = ["app"]
@@ -23,6 +24,7 @@ counting.install()
 @worker_process_init.connect  # type: ignore[untyped-decorator]
 def _count_in_child(**_: Any) -> None:
     counting.install()
+    timeline.install()  # when BENCH_TIMELINE_DIR is set
 
 
 if os.environ.get("BENCH_ACK_EMULATION") == "true":

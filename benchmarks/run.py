@@ -12,14 +12,16 @@ the median of its rounds). Scenarios, as a user configures them:
 * chunked: ``celery worker -P prefork -c PROCS`` and ``celery beat`` of the
   standalone app, ``OUTBOX_CHUNK_SIZE`` 20, 50, 200 and 500 with
   ``OUTBOX_BATCH_SIZE`` 500 (1000 for chunks of 500), everything else at its
-  default; a no-op publisher, and (chunks of 50 and 200) one that waits 20 ms,
-  and (chunks of 50) a coroutine publisher that awaits 20 ms, also with
-  twice the pool (``-c 2*PROCS``, docs/operations.md's advice for a slow
-  receiver).
+  default; a no-op publisher, and (chunks of 50 to 500) one that waits 20 ms,
+  and (chunks of 50) a coroutine publisher that awaits 20 ms; at chunks of 50
+  both also with twice the pool (``-c 2*PROCS``, docs/operations.md's advice
+  for a slow receiver). The pool's time by task kind comes from
+  ``benchmarks/timeline.py``.
 * per-message: the default mode (one ``deliver`` task per message).
 * ceiling: plain Celery tasks pre-queued on the same broker and pool, one
   that does nothing and one that does one PostgreSQL UPDATE and commit.
-* loops: the articles' literal loop in ``--loop-procs`` processes; and the
+* loops: the articles' literal loop in ``--loop-procs`` processes (also
+  with the 20 ms publisher, ``--slow-messages``); and the
   batched-update limit of this PostgreSQL (``UPDATE ... FROM unnest(...)``
   of 500 ids per statement, same number of processes), for the moonshot.
 * pgqueuer: its job queue draining the same number of jobs with the same
@@ -72,7 +74,7 @@ from outbox_relay.table import OutboxTable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import counting  # noqa: E402
+from benchmarks import counting, timeline  # noqa: E402
 from tests.celery_procs import CeleryProcs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -167,6 +169,8 @@ class Figure:
     pause: float | None = None  # the longest gap between two done_at, seconds
     cpu_us: float | None = None  # CPU microseconds per message, relay/loop + its backends
     cpu_split: str = ""  # the same by process group
+    # The pool processes' time by what they ran (benchmarks/timeline.py).
+    pool: dict[str, float] | None = None
 
     @property
     def rate(self) -> float:
@@ -401,7 +405,9 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
             for i in range(1, n + 1):
                 task.apply_async((i,), producer=producer, queue="baseline")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-        runner = CeleryProcs(celery_env(dsn, b.broker), folder, app="benchmarks.baseline_app")
+        env = celery_env(dsn, b.broker)
+        env["BENCH_TIMELINE_DIR"] = str(folder / "timeline")
+        runner = CeleryProcs(env, folder, app="benchmarks.baseline_app")
         probe = Probe(dsn)
         try:
             worker = runner.worker(
@@ -419,6 +425,7 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
             cpu = CpuMeter(probe, worker_groups(worker.popen.pid))
             cpu.begin()
             t0 = time.monotonic()
+            window_start = time.time()
             while True:
                 if kind == "update":
                     finished = bool(
@@ -434,6 +441,7 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
             seconds = time.monotonic() - t0
             figure = Figure(f"celery {kind} task x{b.procs} (pre-queued)", n, seconds)
             cpu.charge(figure)
+            figure.pool = timeline.shares(folder / "timeline", window_start, time.time())
         finally:
             probe.close()
             runner.stop_all()
@@ -482,6 +490,7 @@ def relay(
             **settings,
         )
         env["BENCH_COUNT_DIR"] = str(counts)
+        env["BENCH_TIMELINE_DIR"] = str(folder / "timeline")
         env.update(env_extra or {})
         runner = CeleryProcs(env, folder, app="benchmarks.relay_app")
         probe = Probe(dsn)
@@ -499,6 +508,7 @@ def relay(
             rss: list[float] = []
             conns: list[int] = []
             committed = commit_outbox(dsn, n)
+            window_start = time.time()
             deadline = time.monotonic() + b.deadline
             next_sample = 0.0
             while not probe.finished():
@@ -512,6 +522,7 @@ def relay(
                     cpu.sample()
                     next_sample = time.monotonic() + 0.5
                 time.sleep(0.05)
+            window_end = time.time()
             done = probe.done_after(first)
             if done != n:
                 raise RuntimeError(f"{name}: {done} of {n} done (the rest dead?)")
@@ -519,6 +530,7 @@ def relay(
             figure = costs.finish(Figure(name, n, seconds))
             cpu.charge(figure)
             figure.pause = probe.longest_pause(first)
+            figure.pool = timeline.shares(folder / "timeline", window_start, window_end)
             if rss:
                 figure.rss_mb = (rss[0], rss[-1])
                 figure.rss_peak_mb = max(rss)
@@ -752,6 +764,13 @@ def _split(f: Figure) -> str:
     return f" ({f.cpu_split})" if f.cpu_split else ""
 
 
+def _pool(f: Figure) -> str:
+    """The pool's time: deliveries / claims / other tasks / idle, in percent."""
+    if f.pool is None:
+        return ""
+    return " / ".join(f"{100 * f.pool[k]:.0f}" for k in timeline.KINDS)
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
@@ -786,6 +805,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--canvas-messages", type=int, default=5_000, help="canvas: business transactions"
+    )
+    parser.add_argument(
+        "--slow-messages",
+        type=int,
+        default=2_000,
+        help="the literal loop with a 20 ms publisher (about 50/s per process)",
     )
     parser.add_argument(
         "--in-flight", type=int, default=1000, help="OUTBOX_MAX_IN_FLIGHT of the durable group"
@@ -831,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
                 cost += f"  {figure.cpu_us:.0f} CPU us/msg ({figure.cpu_split})"
             if figure.pause is not None:
                 cost += f"  longest pause {figure.pause:.2f}s"
+            if figure.pool is not None:
+                cost += f"  pool {_pool(figure)}"
             print(f"  {figure.name:<60} {extra}{cost}", flush=True)
 
         print(
@@ -871,9 +898,22 @@ def main(argv: list[str] | None = None) -> int:
                         b, bulk, wait_seconds=0, name=f"pgqueuer x{b.loop_procs}, no-op"
                     ),
                 )
+            if want("loops") and not args.quick:
+                # The same loop publishing to a 20 ms receiver, one at a time
+                # (fewer messages: it does about 50 a second per process).
+                record(
+                    "literal_20ms",
+                    loop(
+                        b,
+                        args.slow_messages,
+                        kind="literal",
+                        name=f"articles' literal loop x{b.loop_procs}, 20 ms publisher",
+                        publisher="wait20ms",
+                    ),
+                )
             if want("chunked"):
-                # Chunks of 50 (the issue's setting) and of 200 (the README's).
-                for chunk in [50] if args.quick else [50, 200]:
+                # Every chunk size of the targets' range (50 to 500).
+                for chunk in [50] if args.quick else [c for c in chunks if 50 <= c <= 500]:
                     record(
                         f"chunked{chunk}_20ms",
                         relay(
@@ -902,17 +942,22 @@ def main(argv: list[str] | None = None) -> int:
                     # What docs/operations.md advises for a slow receiver:
                     # each pool process publishes one chunk at a time, so
                     # twice the pool keeps twice the chunks in flight.
-                    record(
-                        "chunked50_20ms_async_c2",
-                        relay(
-                            dataclasses.replace(b, procs=2 * b.procs),
-                            bulk,
-                            name=f"relay chunked (50), 20 ms coroutine publisher, -c {2 * b.procs}",
-                            chunk=50,
-                            publisher="wait20ms_async",
-                            **_chunk_settings(50),
-                        ),
-                    )
+                    for key, publisher, kind in (
+                        ("chunked50_20ms_async_c2", "wait20ms_async", "coroutine"),
+                        ("chunked50_20ms_c2", "wait20ms", "threaded"),
+                    ):
+                        record(
+                            key,
+                            relay(
+                                dataclasses.replace(b, procs=2 * b.procs),
+                                bulk,
+                                name=f"relay chunked (50), 20 ms {kind} publisher, "
+                                f"-c {2 * b.procs}",
+                                chunk=50,
+                                publisher=publisher,
+                                **_chunk_settings(50),
+                            ),
+                        )
             if pgq:
                 record(
                     "pgq_20ms",
@@ -1050,9 +1095,17 @@ def _report(
         [(f"chunked {c} / literal loop", f"chunked_{c}", "literal") for c in chunks]
         + [(f"chunked {c} / pgqueuer", f"chunked_{c}", "pgq") for c in chunks]
         + [
-            ("chunked 50, 20 ms / pgqueuer 20 ms", "chunked50_20ms", "pgq_20ms"),
-            ("chunked 200, 20 ms / pgqueuer 20 ms", "chunked200_20ms", "pgq_20ms"),
+            (f"chunked {c}, 20 ms / literal loop 20 ms", f"chunked{c}_20ms", "literal_20ms")
+            for c in chunks
+        ]
+        + [(f"chunked {c}, 20 ms / pgqueuer 20 ms", f"chunked{c}_20ms", "pgq_20ms") for c in chunks]
+        + [
             ("chunked 50, 20 ms awaited / pgqueuer 20 ms", "chunked50_20ms_async", "pgq_20ms"),
+            (
+                "chunked 50, 20 ms, twice the pool / pgqueuer 20 ms",
+                "chunked50_20ms_c2",
+                "pgq_20ms",
+            ),
             (
                 "chunked 50, 20 ms awaited, twice the pool / pgqueuer 20 ms",
                 "chunked50_20ms_async_c2",
@@ -1081,8 +1134,8 @@ def _report(
         "| scenario | messages | seconds | msg/s (median) | CPU us/msg "
         "| round trips (statements)/msg | transactions/msg "
         "| worker RSS MB (first, last, peak) | DB connections (peak) "
-        "| longest pause s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| longest pause s | pool % (deliveries / claims / other / idle) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in figures.values():
         result = f.note if not f.rate else f"{f.rate:,.0f}" + (f" ({f.note})" if f.note else "")
@@ -1093,7 +1146,8 @@ def _report(
             f"| {f.name} | {f.messages:,} | {f.seconds:.2f} | {result} | {_fmt(f.cpu_us, 0)}"
             f"{_split(f)} "
             f"| {_fmt(f.statements)} | {_fmt(f.transactions)} | {rss} "
-            f"| {'' if f.connections_peak is None else f.connections_peak} | {_fmt(f.pause, 2)} |"
+            f"| {'' if f.connections_peak is None else f.connections_peak} | {_fmt(f.pause, 2)} "
+            f"| {_pool(f)} |"
         )
     return "\n".join(
         [

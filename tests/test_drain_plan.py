@@ -1,4 +1,4 @@
-"""Where a drain's next claim goes (fan_out's placement).
+"""How a claim is cut into delivery tasks, and where a drain's next claim goes.
 
 The drain end to end, with real workers and no beat:
 tests/test_celery_relay.py::test_a_drain_under_the_cap_goes_on_without_beat.
@@ -6,7 +6,12 @@ tests/test_celery_relay.py::test_a_drain_under_the_cap_goes_on_without_beat.
 
 from __future__ import annotations
 
-from outbox_relay.celery.fanout import DrainPlan, drain_plan
+import json
+import uuid
+
+import psycopg
+
+from outbox_relay.celery.fanout import DrainPlan, chunk_size_for, drain_plan
 
 
 def test_a_round_longer_than_the_prefetch_queues_its_claim_halfway() -> None:
@@ -29,3 +34,66 @@ def test_under_a_tight_cap_the_claim_waits_for_finished_rows() -> None:
     assert drain_plan(2, prefetched=16, tight=True) == DrainPlan(marked=1, when="end")
     assert drain_plan(200, prefetched=16, tight=True) == DrainPlan(marked=100, when="end")
     assert drain_plan(1, prefetched=16, tight=True) == DrainPlan(marked=0, when="end")
+
+
+def test_a_chunk_is_small_enough_for_every_pool_process_to_hold_one() -> None:
+    # OUTBOX_CHUNK_SIZE is the most a task takes: chunks of 500 under the
+    # default cap of 1,000 would let two of four processes work and two idle.
+    assert chunk_size_for(500, 1000, 4) == 250
+    assert chunk_size_for(300, 1000, 4) == 250
+    assert chunk_size_for(500, 1000, 8) == 125
+    assert chunk_size_for(200, 1000, 4) == 200  # fits: the setting stands
+    assert chunk_size_for(50, 1000, 4) == 50
+    assert chunk_size_for(50, 10, 16) == 1
+    # Unknown concurrency, one process, no cap, or one message per task: unchanged.
+    assert chunk_size_for(500, 1000, 0) == 500
+    assert chunk_size_for(500, 1000, 1) == 500
+    assert chunk_size_for(500, None, 4) == 500
+    assert chunk_size_for(1, 1000, 4) == 1
+
+
+def test_the_claim_task_sends_a_chunk_for_every_pool_process(dsn: str) -> None:
+    """The claim task's own body, on a real broker: how many delivery tasks,
+    of how many rows, it sends for a backlog of 1,000 in chunks of 500."""
+    from celery import Celery
+
+    import outbox_relay
+    from outbox_relay import NewMessage
+
+    from . import services
+
+    broker = services.redis_url()
+    sent: dict[int, list[int]] = {}
+    for concurrency in (0, 4):
+        app = Celery(f"spread-{concurrency}", broker=broker)
+        queue = f"outbox-spread-{uuid.uuid4().hex[:8]}"
+        inst = outbox_relay.install(
+            app,
+            dsn=dsn,
+            publisher="tests.apps.recording:publish",
+            chunk_size=500,
+            batch_size=1000,
+            publish_concurrency=125,  # what the start-up check asks of chunks of 500
+            queue=queue,
+        )
+        inst.concurrency = concurrency  # what a worker records at start
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM outbox")
+            outbox_relay.enqueue_many(
+                conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(1000)]
+            )
+        app.tasks["outbox_relay.claim"]()  # the task's body, as a worker runs it
+        with app.connection_for_write() as connection:
+            client = connection.default_channel.client
+            bodies = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+            client.delete(queue)
+        deliveries = [b for b in bodies if b["headers"]["task"] == "outbox_relay.deliver_batch"]
+        sent[concurrency] = sorted(len(json.loads(_body(b))[0][0]) for b in deliveries)
+        inst.close()
+    assert sent == {0: [500, 500], 4: [250, 250, 250, 250]}
+
+
+def _body(message: dict[str, object]) -> str:
+    import base64
+
+    return base64.b64decode(str(message["body"])).decode()

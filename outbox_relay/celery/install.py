@@ -201,6 +201,7 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
         concurrency = getattr(instance, "concurrency", None) or 0
         multiplier = getattr(instance, "prefetch_multiplier", None) or 0
         inst.prefetched = int(concurrency) * int(multiplier)
+        inst.concurrency = int(concurrency)
         if consume and not inst.explicit_queues:
             # The queue the relay's tasks are routed to (the user's route wins).
             try:

@@ -249,6 +249,10 @@ class Installation:
         # worker_prefetch_multiplier), recorded at worker setup, before the
         # pool forks; 0 when unknown. fan_out places a drain's next claim by it.
         self.prefetched = 0
+        # This worker's pool processes (its --concurrency), recorded at the
+        # same time; 0 when unknown. fan_out keeps chunks small enough for
+        # each of them to hold one under the in-flight cap.
+        self.concurrency = 0
 
     # ----------------------------------------------------------- settings
     @property

@@ -138,6 +138,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                     else None
                 ),
                 prefetched=inst.prefetched,
+                processes=inst.concurrency,
                 capped=result.capped,
             )
         elif result.capped and int(held_back) < MAX_HELD_BACK_ROUNDS:
