@@ -198,10 +198,8 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
     def after_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
         if instance is None or instance.app is not app:
             return
-        concurrency = getattr(instance, "concurrency", None) or 0
-        multiplier = getattr(instance, "prefetch_multiplier", None) or 0
-        inst.prefetched = int(concurrency) * int(multiplier)
-        inst.concurrency = int(concurrency)
+        inst.concurrency = int(getattr(instance, "concurrency", None) or 0)
+        inst.prefetch_multiplier = int(getattr(instance, "prefetch_multiplier", None) or 0)
         if consume and not inst.explicit_queues:
             # The queue the relay's tasks are routed to (the user's route wins).
             try:

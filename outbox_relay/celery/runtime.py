@@ -245,14 +245,18 @@ class Installation:
         # only have logged, and whether the worker was started with -Q.
         self.config_error: OutboxError | None = None
         self.explicit_queues = False
-        # Tasks this worker takes from the queue ahead of time (concurrency x
-        # worker_prefetch_multiplier), recorded at worker setup, before the
-        # pool forks; 0 when unknown. fan_out places a drain's next claim by it.
-        self.prefetched = 0
-        # This worker's pool processes (its --concurrency), recorded at the
-        # same time; 0 when unknown. fan_out keeps chunks small enough for
-        # each of them to hold one under the in-flight cap.
+        # This worker's pool processes (its --concurrency) and
+        # worker_prefetch_multiplier, recorded at worker setup, before the pool
+        # forks; 0 when unknown. fan_out keeps chunks small enough for each
+        # process to hold one under the in-flight cap, and places a drain's
+        # next claim by what the worker prefetches (``prefetched``).
         self.concurrency = 0
+        self.prefetch_multiplier = 0
+
+    @property
+    def prefetched(self) -> int:
+        """Tasks this worker takes from the queue ahead of time (0: unknown)."""
+        return self.concurrency * self.prefetch_multiplier
 
     # ----------------------------------------------------------- settings
     @property
