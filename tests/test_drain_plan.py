@@ -7,6 +7,7 @@ tests/test_celery_relay.py::test_a_drain_under_the_cap_goes_on_without_beat.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import psycopg
@@ -97,3 +98,46 @@ def _body(message: dict[str, object]) -> str:
     import base64
 
     return base64.b64decode(str(message["body"])).decode()
+
+
+def test_a_hint_that_finds_a_claim_in_progress_leaves_the_rows_to_it(dsn: str) -> None:
+    """A drain's claim hint (contend=False) returns at once while another
+    claim holds the table's claim lock, and sends nothing: no delivery, and
+    no held-back round (the claim in progress drains on if it must). A
+    claim that contends (beat's, the listener's) waits and takes the rows."""
+    from celery import Celery
+
+    import outbox_relay
+    from outbox_relay import NewMessage
+
+    from . import services
+
+    app = Celery("hint-busy", broker=services.redis_url())
+    queue = f"outbox-hint-{uuid.uuid4().hex[:8]}"
+    inst = outbox_relay.install(
+        app, dsn=dsn, publisher="tests.apps.recording:publish", chunk_size=50, queue=queue
+    )
+    claim = app.tasks["outbox_relay.claim"]
+    try:
+        with (
+            psycopg.connect(dsn, autocommit=True) as conn,
+            psycopg.connect(dsn) as holder,
+            app.connection_for_write() as connection,
+        ):
+            client = connection.default_channel.client
+            outbox_relay.enqueue_many(
+                conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(100)]
+            )
+            # Another claim in progress: the lock claims take under the cap.
+            key = f"{inst.settings.outbox_table.lock_key}:claim"
+            holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
+            started = time.monotonic()
+            assert claim(0, 10, False) == {"claimed": 0}
+            assert time.monotonic() - started < 5
+            assert client.llen(queue) == 0
+            holder.rollback()
+            assert claim(0, 10, True) == {"claimed": 100}
+            assert client.llen(queue) == 2  # two chunks of 50
+            client.delete(queue)
+    finally:
+        inst.close()

@@ -168,6 +168,55 @@ def test_operation_key_with_same_content_returns_the_existing_id(
     assert count(conn) == 2
 
 
+def test_a_batch_maps_each_message_to_its_own_row_around_repeated_keys(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """enqueue_many inserts a batch in one statement: each returned id must
+    still be its own message's row, with keys that repeat in the batch or
+    exist already, and each message's own delay."""
+    existing = order_created(conn, operation_key="k-old", payload={"old": 1})
+    ids = enqueue_many(
+        conn,
+        [
+            NewMessage("order", "1", "order.created", {"n": 1}, delay=60),
+            NewMessage("order", "42", "order.created", {"old": 1}, "k-old"),
+            NewMessage("order", "2", "order.created", {"n": 2}, "k-new"),
+            NewMessage("order", "3", "order.created", {"n": 3}),
+            NewMessage("order", "2", "order.created", {"n": 2}, "k-new"),
+            NewMessage("order", "4", "order.created", {"n": 4}, "k-4", delay=5),
+        ],
+    )
+    assert ids[1] == existing and ids[4] == ids[2]
+    assert len({ids[0], ids[2], ids[3], ids[5], existing}) == 5
+    found = {
+        r[0]: (r[1], r[2], r[3])
+        for r in conn.execute(
+            "SELECT id, payload, operation_key,"
+            " round(extract(epoch FROM available_at - created_at)) FROM outbox"
+        ).fetchall()
+    }
+    assert [found[i] for i in ids] == [
+        ({"n": 1}, None, 60),
+        ({"old": 1}, "k-old", 0),
+        ({"n": 2}, "k-new", 0),
+        ({"n": 3}, None, 0),
+        ({"n": 2}, "k-new", 0),
+        ({"n": 4}, "k-4", 5),
+    ]
+    assert count(conn) == 5
+    # A key repeated in one batch with another content is a conflict with the
+    # batch's own first row, and nothing of the batch is written.
+    with pytest.raises(OperationKeyConflict, match="k-twice"):
+        enqueue_many(
+            conn,
+            [
+                NewMessage("order", "5", "order.created", {"n": 5}, "k-twice"),
+                NewMessage("order", "5", "order.created", {"n": 6}, "k-twice"),
+            ],
+        )
+    assert count(conn) == 5
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -86,8 +86,10 @@ def _hint_claim(task: Any) -> None:
         # Sent as the last held-back round: a hint that finds the cap still
         # reached stops there (the next finished run hints again) instead of
         # starting a chain of claims that only count the cap.
+        # contend=False: a claim already in progress takes the due rows.
         claim.apply_async(
-            (MAX_HELD_BACK_ROUNDS, hint_room(_installation(task).settings)), serializer="json"
+            (MAX_HELD_BACK_ROUNDS, hint_room(_installation(task).settings), False),
+            serializer="json",
         )
     except Exception:  # a hint; beat's tick is the safety net
         log.debug("could not send a claim hint", exc_info=True)

@@ -90,12 +90,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         # once its own rows are finished ("end": the round was cut short by
         # the in-flight cap, and only finished rows make room).
         if drain and drain != "end":
-            _send(claim, (0, hint_room(inst.settings)))
+            _send(claim, _hint(inst.settings))
         try:
             return after_delivery(inst.services().deliverer.deliver(refs), refs)
         finally:
             if drain == "end":
-                _send(claim, (0, hint_room(inst.settings)))
+                _send(claim, _hint(inst.settings))
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
     def deliver(
@@ -113,13 +113,16 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         return drained(drain, [LeaseRef(int(i), int(v)) for i, v in refs])
 
     @app.task(name=names.CLAIM, **_TASK)  # type: ignore[untyped-decorator]
-    def claim(self: Any, held_back: int = 0, min_room: int = 0) -> dict[str, int]:
+    def claim(
+        self: Any, held_back: int = 0, min_room: int = 0, contend: bool = True
+    ) -> dict[str, int]:
         """Claim due rows under the cap and fan them out; keep draining while
         batches come back full. ``held_back`` counts the rounds in a row that
         found the cap reached; ``min_room``: claim only if the cap leaves at
-        least that many (a finished durable task's hint)."""
+        least that many (a finished durable task's hint); ``contend=False``:
+        not if another claim is in progress (a hint; see Claimer.run_once)."""
         services = inst.services()
-        result = services.claimer.run_once(min_room=int(min_room))
+        result = services.claimer.run_once(min_room=int(min_room), contend=bool(contend))
         if result.claimed:
             s = inst.settings
             delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER
@@ -133,9 +136,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
                 follow_up=(
-                    (lambda producer: _send(claim, (0, hint_room(s)), producer=producer))
-                    if more
-                    else None
+                    (lambda producer: _send(claim, _hint(s), producer=producer)) if more else None
                 ),
                 prefetched=inst.prefetched,
                 processes=inst.concurrency,
@@ -151,7 +152,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # min_room 1: a round that still finds the cap full is one count.
             _send(
                 claim,
-                (int(held_back) + 1, max(1, int(min_room))),
+                (int(held_back) + 1, max(1, int(min_room)), bool(contend)),
                 countdown=HELD_BACK_SECONDS * 2 ** int(held_back),
             )
         return {"claimed": len(result.claimed)}
@@ -198,6 +199,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         "rescue": rescue,
         "purge": purge,
     }
+
+
+def _hint(settings: Settings) -> tuple[int, int, bool]:
+    """A drain's claim hint: ``claim(held_back, min_room, contend)`` that needs
+    a quarter batch of room and leaves the rows to a claim in progress."""
+    return (0, hint_room(settings), False)
 
 
 def _one_outcome(report: DeliveryReport) -> str:

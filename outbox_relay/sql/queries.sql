@@ -30,6 +30,35 @@ VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s::jsonb
 ON CONFLICT (operation_key) WHERE operation_key IS NOT NULL DO NOTHING
 RETURNING id;
 
+-- name: insert_many
+-- insert for several messages in one statement (enqueue_many): one round
+-- trip instead of one per message, which was most of a batch producer's
+-- cost (230 us of CPU per message in transactions of 8). Each parameter is
+-- an array with one element per message, in the caller's order; ids come
+-- from the sequence in that order (ORDER BY n), so the returned ids sorted
+-- are the inserted rows in order. A keyed row that was not inserted (its key
+-- exists, or an earlier row of this batch has it) is compared as in insert;
+-- the digest expression is insert's.
+INSERT INTO {table} AS o
+       (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
+        available_at, content_hash)
+SELECT r.aggregate_type, r.aggregate_id, r.event_type, r.payload::jsonb, r.headers::jsonb,
+       r.operation_key, r.ordered, coalesce(%(now)s::timestamptz, now()) + r.delay,
+       CASE WHEN r.operation_key IS NOT NULL
+            THEN sha256(convert_to(jsonb_build_array(
+                     r.aggregate_type, r.aggregate_id, r.event_type,
+                     r.payload::jsonb, r.headers::jsonb - %(trace_keys)s::text[])::text,
+                     'UTF8')) END
+  FROM unnest(%(aggregate_types)s::text[], %(aggregate_ids)s::text[], %(event_types)s::text[],
+              %(payloads)s::text[], %(headers)s::text[], %(operation_keys)s::text[],
+              %(ordered)s::boolean[], %(delays)s::interval[])
+       WITH ORDINALITY
+       AS r(aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
+            delay, n)
+ ORDER BY r.n
+ON CONFLICT (operation_key) WHERE operation_key IS NOT NULL DO NOTHING
+RETURNING id, operation_key;
+
 -- name: insert_conflict
 -- The message that already holds an operation key, and whether it means the
 -- same thing: the same digest of aggregate, event type, payload and headers
@@ -60,6 +89,12 @@ SELECT id,
 -- aggregate); and the claims of one table when an in-flight cap applies (so
 -- that the live-lease count a claim reads cannot be raced past by another).
 SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 0));
+
+-- name: try_advisory_lock
+-- advisory_lock if it is free now: true when taken, false when another
+-- transaction holds it (a claim hint then leaves the rows to the claim in
+-- progress instead of queueing behind it).
+SELECT pg_try_advisory_xact_lock(hashtextextended(%(key)s, 0));
 
 -- name: create_schema
 CREATE SCHEMA IF NOT EXISTS {schema};

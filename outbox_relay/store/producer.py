@@ -61,13 +61,19 @@ def insert_plan(
 ) -> Plan[list[int]]:
     """The statements of one insert, run by any driver (see ``_plan``)."""
     q = queries(table)
-    ids: list[int] = []
     for key in sorted(set(lock_keys)):
         yield Statement(q.advisory_lock, {"key": key})
-    for params in rows:
-        row = yield Statement(q.insert, params, fetch="one")
-        if row is not None:
-            ids.append(int(row[0]))
+    inserted: list[int | None]
+    if len(rows) == 1:
+        row = yield Statement(q.insert, rows[0], fetch="one")
+        inserted = [None if row is None else int(row[0])]
+    else:
+        returned = yield Statement(q.insert_many, _columns(rows), fetch="all")
+        inserted = _in_order(rows, returned)
+    ids: list[int] = []
+    for params, new_id in zip(rows, inserted, strict=True):
+        if new_id is not None:
+            ids.append(new_id)
             continue
         # The operation key exists: the same content is the same operation
         # (return its id); anything else is a mistake. The digests are
@@ -88,3 +94,42 @@ def insert_plan(
     if notify:
         yield Statement(q.notify, {"channel": table.channel})
     return ids
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """insert_many's parameters: one array per column, in the rows' order."""
+    first = rows[0]
+    return {
+        "aggregate_types": [r["aggregate_type"] for r in rows],
+        "aggregate_ids": [r["aggregate_id"] for r in rows],
+        "event_types": [r["event_type"] for r in rows],
+        "payloads": [r["payload"] for r in rows],
+        "headers": [r["headers"] for r in rows],
+        "operation_keys": [r["operation_key"] for r in rows],
+        "ordered": [bool(r["ordered"]) for r in rows],
+        "delays": [r["delay"] for r in rows],
+        # The same for every row of a batch (producer.prepare).
+        "now": first["now"],
+        "trace_keys": first["trace_keys"],
+    }
+
+
+def _in_order(rows: Sequence[dict[str, Any]], returned: Sequence[Any]) -> list[int | None]:
+    """Each row's new id, or None where its operation key kept it out.
+
+    insert_many took ids from the sequence in the rows' order, so the
+    returned ids sorted are the inserted rows in order; a keyed row was
+    inserted if its key came back (the first row of the batch with that key).
+    """
+    got = sorted((int(r[0]), r[1]) for r in returned)
+    keys = {key for _, key in got if key is not None}
+    ids = iter(i for i, _ in got)
+    inserted: list[int | None] = []
+    for r in rows:
+        key = r["operation_key"]
+        if key is None or key in keys:
+            inserted.append(next(ids))
+            keys.discard(key)
+        else:
+            inserted.append(None)
+    return inserted

@@ -139,10 +139,13 @@ class ClaimBatch:
     claimed: list[Claimed]
     limit: int
     batch: int
+    # Another claim of the table was in progress and this one did not wait
+    # for it (claim_batch's ``wait=False``): nothing was counted or claimed.
+    busy: bool = False
 
     @property
     def capped(self) -> bool:
-        return self.limit < self.batch and len(self.claimed) >= self.limit
+        return not self.busy and self.limit < self.batch and len(self.claimed) >= self.limit
 
 
 def claim_batch(
@@ -159,12 +162,15 @@ def claim_batch(
     content: bool = True,
     table: TableLike = None,
     now: datetime | None = None,
+    wait: bool = True,
 ) -> ClaimBatch:
     """``claim``, saying whether the in-flight cap cut it short.
 
     ``content=False`` leaves each row's payload (None) and headers (empty)
     out, except a durable Celery task's row: for a claim whose rows are
-    delivered by ``begin``, which reads them again.
+    delivered by ``begin``, which reads them again. ``wait=False``: when
+    another claim holds the cap's lock, return at once (``busy``) instead of
+    queueing behind it only to find the rows it took.
 
     Under the cap's lock the live leases are counted first and the claim
     takes at most the room left: a claim that took all of a room smaller
@@ -184,7 +190,13 @@ def claim_batch(
         if rescue_first:
             conn.execute(q.rescue, {"max_attempts": max_attempts, "batch": 1000, "now": now})
         if max_in_flight is not None:
-            conn.execute(q.advisory_lock, {"key": f"{q.table.lock_key}:claim"})
+            key = {"key": f"{q.table.lock_key}:claim"}
+            if wait:
+                conn.execute(q.advisory_lock, key)
+            else:
+                taken = conn.execute(q.try_advisory_lock, key).fetchone()
+                if not (taken and taken[0]):
+                    return ClaimBatch([], batch, batch, busy=True)
             row = conn.execute(q.in_flight, {"now": now}).fetchone()
             limit = max(0, min(batch, max_in_flight - (int(row[0]) if row else 0)))
         if limit == 0:
