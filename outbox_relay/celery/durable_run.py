@@ -77,19 +77,14 @@ def _hint_claim(task: Any) -> None:
         if now - _last_hint[0] < CLAIM_HINT_SECONDS:
             return
         _last_hint[0] = now
-    from .tasks import MAX_HELD_BACK_ROUNDS, hint_room
+    from .tasks import hint_args
 
     claim = task.app.tasks.get(names.CLAIM)
     if claim is None:
         return
     try:
-        # Sent as the last held-back round: a hint that finds the cap still
-        # reached stops there (the next finished run hints again) instead of
-        # starting a chain of claims that only count the cap.
-        # contend=False: a claim already in progress takes the due rows.
         claim.apply_async(
-            (MAX_HELD_BACK_ROUNDS, hint_room(_installation(task).settings), False),
-            serializer="json",
+            hint_args(_installation(task).settings, last_round=True), serializer="json"
         )
     except Exception:  # a hint; beat's tick is the safety net
         log.debug("could not send a claim hint", exc_info=True)

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
 from .compat import harden_redis_transport, reuse_redis_clients
-from .tasks import MAX_HELD_BACK_ROUNDS, hint_room
+from .tasks import hint_args
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
@@ -178,15 +178,17 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.connection = app.connection_for_write()
         producer = app.amqp.Producer(self.connection)
 
-        room = hint_room(s)
+        # It waits for a claim in progress (contend): a NOTIFY may announce
+        # rows newer than that claim's snapshot.
+        args = hint_args(s, last_round=True, contend=True)
 
         def trigger() -> None:
-            # "Claim if the cap leaves room (tasks.hint_room), else stop": a
+            # "Claim if the cap leaves room (tasks.hint_args), else stop": a
             # full cap belongs to a drain that claims again as its deliveries
             # finish. Without this, a steady stream of NOTIFYs sent a claim
             # every debounce window into a full cap, each one a held-back
             # chain of its own.
-            claim.apply_async((MAX_HELD_BACK_ROUNDS, room), serializer="json", producer=producer)
+            claim.apply_async(args, serializer="json", producer=producer)
 
         self.listener = NotifyListener(
             s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout

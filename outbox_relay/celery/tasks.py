@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from .runtime import Installation
 
-__all__ = ["HELD_BACK_SECONDS", "MAX_HELD_BACK_ROUNDS", "hint_room", "register_tasks"]
+__all__ = ["HELD_BACK_SECONDS", "MAX_HELD_BACK_ROUNDS", "hint_args", "hint_room", "register_tasks"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -55,6 +55,20 @@ def hint_room(settings: Settings) -> int:
     """
     cap = settings.max_in_flight or settings.batch_size
     return max(1, min(settings.batch_size, cap) // 4)
+
+
+def hint_args(
+    settings: Settings, *, last_round: bool = False, contend: bool = False
+) -> tuple[int, int, bool]:
+    """A claim hint's arguments, ``claim(held_back, min_room, contend)``: it
+    needs ``hint_room`` and, unless ``contend``, leaves the rows to a claim in
+    progress (a drain's hints, a finished durable task's). ``last_round``:
+    sent as the last held-back round, so a hint that finds the cap reached
+    stops there instead of starting a chain of claims that only count it (the
+    listener's and a durable task's: the next NOTIFY or finished run hints
+    again).
+    """
+    return (MAX_HELD_BACK_ROUNDS if last_round else 0, hint_room(settings), contend)
 
 
 # shared=False: Celery would otherwise add a task to every app created in the
@@ -90,12 +104,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         # once its own rows are finished ("end": the round was cut short by
         # the in-flight cap, and only finished rows make room).
         if drain and drain != "end":
-            _send(claim, _hint(inst.settings))
+            _send(claim, hint_args(inst.settings))
         try:
             return after_delivery(inst.services().deliverer.deliver(refs), refs)
         finally:
             if drain == "end":
-                _send(claim, _hint(inst.settings))
+                _send(claim, hint_args(inst.settings))
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
     def deliver(
@@ -136,7 +150,9 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
                 follow_up=(
-                    (lambda producer: _send(claim, _hint(s), producer=producer)) if more else None
+                    (lambda producer: _send(claim, hint_args(s), producer=producer))
+                    if more
+                    else None
                 ),
                 prefetched=inst.prefetched,
                 processes=inst.concurrency,
@@ -199,12 +215,6 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         "rescue": rescue,
         "purge": purge,
     }
-
-
-def _hint(settings: Settings) -> tuple[int, int, bool]:
-    """A drain's claim hint: ``claim(held_back, min_room, contend)`` that needs
-    a quarter batch of room and leaves the rows to a claim in progress."""
-    return (0, hint_room(settings), False)
 
 
 def _one_outcome(report: DeliveryReport) -> str:
