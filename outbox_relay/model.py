@@ -36,8 +36,9 @@ class Claimed:
     """A row this worker leased. ``False`` from a finalize means the lease was lost.
 
     From a claim without content (the Celery relay's, ``store.claim_batch(...,
-    content=False)``) ``payload`` is None and ``headers`` empty, except for a
-    durable Celery task's row; ``store.begin`` returns the full row.
+    content=False)``) ``payload``, ``created_at`` and ``lease_until`` are None
+    and ``headers`` empty, except for a durable Celery task's row;
+    ``store.begin`` returns the full row.
     """
 
     id: int

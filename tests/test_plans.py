@@ -438,3 +438,20 @@ def test_report_claim_and_finalize_time_with_a_million_finished_rows(
             f"{FINISHED_ROWS:,} finished rows vs {empty * 1000:.2f} ms on an empty table "
             f"(x{full / empty:.2f})"
         )
+
+
+def test_every_query_is_sent_without_its_comments_and_short_enough_to_cache() -> None:
+    # psycopg converts a query's %(name)s placeholders to $n once and caches
+    # it, for queries up to 4 KB (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH).
+    # The claim with its comments was 4.5 KB, converted anew on every claim.
+    from psycopg import _queries
+
+    from outbox_relay.sql.queries import raw_queries
+
+    limit = getattr(_queries, "MAX_CACHED_STATEMENT_LENGTH", 4096)
+    for name in raw_queries():
+        text = getattr(Q, name)
+        assert not re.search(r"^\s*--", text, re.MULTILINE), name
+        assert len(text.encode()) <= limit, (name, len(text))
+    # The comment lines go; the statement stays whole.
+    assert "LIMIT %(batch)s::int" in Q.claim and "FOR UPDATE SKIP LOCKED" in Q.claim

@@ -4,6 +4,7 @@ lost progress, spent attempts it never used, or wrote state it should not."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import threading
 import time
@@ -384,14 +385,16 @@ def test_relaxed_finalizes_keep_claims_durable(dsn: str) -> None:
         setting = db.run(lambda conn: conn.execute("SHOW synchronous_commit").fetchone())
         assert setting == ("off",)
 
-        def claim_and_read(conn: psycopg.Connection[Any]) -> Any:
+        def claim_and_read(conn: psycopg.Connection[Any], first: str) -> Any:
             with conn.transaction():
-                # What store.claim runs first in its transaction: the claim
-                # commits durably on a relaxed connection.
-                conn.execute(queries(None).durable_commit)
+                # What store.claim_batch runs first in its transaction, without
+                # and with the in-flight cap: the claim commits durably on a
+                # relaxed connection.
+                conn.execute(getattr(queries(None), first), {"key": "test-relaxed"})
                 return conn.execute("SHOW synchronous_commit").fetchone()
 
-        assert db.run(claim_and_read) == ("on",)
+        for first in ("durable_commit", "claim_lock", "try_claim_lock"):
+            assert db.run(functools.partial(claim_and_read, first=first)) == ("on",), first
         assert db.run(lambda conn: conn.execute("SHOW synchronous_commit").fetchone()) == ("off",)
     finally:
         db.close()

@@ -1061,8 +1061,13 @@ def test_a_claim_without_content_leaves_payloads_to_begin(conn: psycopg.Connecti
         (bare, "order.paid", None, {}),
         (durable, "celery.durable", {"task": "t", "id": "t-1"}, {"lease_seconds": 30}),
     ]
+    # Nor its timestamps (begin reads created_at, for the message).
+    assert [(c.created_at, c.lease_until) for c in claimed[:2]] == [(None, None)] * 2
+    assert by_id[durable].created_at is not None and by_id[durable].lease_until is not None
     began = store.begin(conn, [by_id[plain].ref, by_id[bare].ref], needed=SECOND)
     conn.commit()
+    assert began[plain].claimed.created_at is not None
+    assert began[plain].claimed.to_message().created_at == began[plain].claimed.created_at
     assert began[plain].claimed.payload == {"n": 1}
     assert began[plain].claimed.headers == {"trace": "x"}
     # Empty headers come back NULL from begin, and as an empty dict here.

@@ -19,6 +19,8 @@ from ..table import OutboxTable
 __all__ = ["Migration", "Queries", "migrations_for", "queries_for", "raw_migration", "raw_queries"]
 
 _NAME_LINE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+# A line that is only a comment (no statement here puts one after code).
+_COMMENT_LINE = re.compile(r"^[ \t]*--.*(?:\n|$)", re.MULTILINE)
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
 
@@ -60,8 +62,16 @@ def raw_queries() -> dict[str, str]:
         for name, body in zip(parts[1::2], parts[2::2]):
             if name in found:
                 raise RuntimeError(f"query {name!r} is defined twice ({entry.name})")
-            found[name] = body.strip().rstrip(";")
+            found[name] = _without_comments(body).strip().rstrip(";")
     return found
+
+
+def _without_comments(body: str) -> str:
+    """A query as sent: its comment lines stay in the .sql file. The longest
+    query (the claim) was 4.5 KB with them, past the 4 KB up to which psycopg
+    caches a query's conversion to PostgreSQL's placeholders: 65 us of the
+    client's CPU per claim to split it again."""
+    return _COMMENT_LINE.sub("", body)
 
 
 class Queries:

@@ -166,11 +166,11 @@ def claim_batch(
 ) -> ClaimBatch:
     """``claim``, saying whether the in-flight cap cut it short.
 
-    ``content=False`` leaves each row's payload (None) and headers (empty)
-    out, except a durable Celery task's row: for a claim whose rows are
-    delivered by ``begin``, which reads them again. ``wait=False``: when
-    another claim holds the cap's lock, return at once (``busy``) instead of
-    queueing behind it only to find the rows it took.
+    ``content=False`` leaves each row's payload, created_at, lease_until
+    (None) and headers (empty) out, except a durable Celery task's row: for
+    a claim whose rows are delivered by ``begin``, which reads them again.
+    ``wait=False``: when another claim holds the cap's lock, return at once
+    (``busy``) instead of queueing behind it only to find the rows it took.
 
     Under the cap's lock the live leases are counted first and the claim
     takes at most the room left: a claim that took all of a room smaller
@@ -186,16 +186,19 @@ def claim_batch(
     q = queries(table)
     limit = batch
     with conn.transaction():
-        conn.execute(q.durable_commit)
+        # The claim commits durably (durable_commit); under the cap, in the
+        # same round trip as its lock (claim_lock).
+        if max_in_flight is None:
+            conn.execute(q.durable_commit)
         if rescue_first:
             conn.execute(q.rescue, {"max_attempts": max_attempts, "batch": 1000, "now": now})
         if max_in_flight is not None:
             key = {"key": f"{q.table.lock_key}:claim"}
             if wait:
-                conn.execute(q.advisory_lock, key)
+                conn.execute(q.claim_lock, key)
             else:
-                taken = conn.execute(q.try_advisory_lock, key).fetchone()
-                if not (taken and taken[0]):
+                taken = conn.execute(q.try_claim_lock, key).fetchone()
+                if not (taken and taken[1]):
                     return ClaimBatch([], batch, batch, busy=True)
             row = conn.execute(q.in_flight, {"now": now}).fetchone()
             limit = max(0, min(batch, max_in_flight - (int(row[0]) if row else 0)))
