@@ -209,9 +209,12 @@ def fan_out(
     common.update(lineage, declare=[])
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
-            # Each delivery task's queue declared once per round, not per
-            # message (see declare_routed_queue).
-            for name in (deliver.name, deliver_batch.name):
+            # The queue of each delivery task this round sends, declared once
+            # per round, not per message (see declare_routed_queue); not the
+            # other task's (a routing and a copy of its queue per round).
+            for name in sorted(
+                {(deliver if len(c) == 1 else deliver_batch).name for c in plain_chunks}
+            ):
                 declare_routed_queue(app, producer, name, sends.declared)
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
