@@ -13,7 +13,9 @@
 Without ``opentelemetry-api`` nothing here imports it, and both hooks are
 no-ops: ``current_headers()`` returns ``{}`` and ``default_tracer()`` ``None``.
 With the API but no SDK, spans are non-recording and the row's own context is
-forwarded unchanged.
+forwarded unchanged; a row without one gets no span at all (it would record
+nothing and carry nothing, and cost 15 us a publish here: a third of a
+chunked relay's pool time per message).
 """
 
 from __future__ import annotations
@@ -132,9 +134,18 @@ class PublishTracer:
                 "PublishTracer needs opentelemetry-api (pip install outbox-relay[otel])"
             )
         self.api = api
+        # The global provider's tracer follows whatever provider is set later.
+        self._global = tracer is None
         self.tracer = tracer if tracer is not None else api[0].get_tracer("outbox_relay")
 
-    def start(self, message: Message) -> PublishSpan:
+    def start(self, message: Message) -> PublishSpan | None:
+        """This publish's span; None when it could neither record nor carry a
+        trace: no provider set yet on the global tracer (no SDK), and no
+        headers on the row (so no trace context to forward)."""
+        if self._global and not message.headers:
+            trace = self.api[0]
+            if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+                return None
         return PublishSpan(self, message)
 
 

@@ -162,6 +162,36 @@ def test_without_opentelemetry_nothing_changes_and_nothing_is_imported(dsn: str)
     }
 
 
+def test_with_the_api_alone_only_a_row_with_trace_context_gets_a_span() -> None:
+    # No SDK provider is set globally in the tests (tests/otel.py): the
+    # relay's default tracer then has nothing to record. A row without
+    # headers has nothing to forward either, so it gets no span (they cost
+    # 15 us a publish); a row with a traceparent still has it forwarded.
+    from opentelemetry import trace
+
+    from outbox_relay import tracing
+
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    relay_tracer = tracing.default_tracer()
+    assert relay_tracer is not None
+
+    def message(headers: dict[str, Any]) -> Message:
+        return Message(1, "outbox-1", "order", "1", "order.paid", {}, headers, 1, 1, None)
+
+    assert relay_tracer.start(message({})) is None
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    span = relay_tracer.start(message({"traceparent": parent, "k": "v"}))
+    assert span is not None
+    try:
+        assert span.message.headers == {"traceparent": parent, "k": "v"}
+    finally:
+        span.end("done")
+    # An explicit tracer (an SDK provider of the caller's) always traces.
+    explicit = publish_tracer().start(message({}))
+    assert explicit is not None
+    explicit.end("done")
+
+
 def test_importing_the_package_does_not_import_opentelemetry() -> None:
     # With the extra installed, still nothing until a producer or relay runs.
     code = (
