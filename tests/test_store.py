@@ -997,7 +997,7 @@ def test_a_claim_says_whether_the_cap_or_the_due_rows_ended_it(
 
 
 def test_a_claim_that_does_not_wait_leaves_the_rows_to_the_claim_in_progress(dsn: str) -> None:
-    # A drain's claim hint (wait=False) must not queue behind another claim
+    # A drain's claim hint (contend=False) must not queue behind another claim
     # of the table only to find the rows it took; it says "busy", which is
     # neither a claim cut short by the cap (no held-back rounds follow) nor
     # an empty queue. A waiting claim still takes what is left afterwards.
@@ -1012,12 +1012,12 @@ def test_a_claim_that_does_not_wait_leaves_the_rows_to_the_claim_in_progress(dsn
         held = store.claim_batch(holder, owner="A", batch=4, **kwargs)
         assert [m.id for m in held.claimed] == ids[:4]
         started = time.monotonic()
-        busy = store.claim_batch(hint, owner="B", batch=10, wait=False, **kwargs)
+        busy = store.claim_batch(hint, owner="B", batch=10, contend=False, **kwargs)
         assert time.monotonic() - started < 2
         assert (busy.claimed, busy.busy, busy.capped) == ([], True, False)
         assert store.in_flight(other) == 0  # the holder has not committed
         holder.commit()
-        after = store.claim_batch(hint, owner="B", batch=10, wait=False, **kwargs)
+        after = store.claim_batch(hint, owner="B", batch=10, contend=False, **kwargs)
         hint.commit()
         assert [m.id for m in after.claimed] == ids[4:]
         assert not after.busy and store.in_flight(other) == 10

@@ -77,7 +77,7 @@ class Claimer:
                 # only the leases (and a durable task's row, sent as itself).
                 content=False,
                 table=self.table,
-                wait=contend,
+                contend=contend,
             ),
             # Never repeat a claim whose COMMIT may have reached the server:
             # the first batch would sit leased with no task to deliver it.

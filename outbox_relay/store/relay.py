@@ -140,7 +140,7 @@ class ClaimBatch:
     limit: int
     batch: int
     # Another claim of the table was in progress and this one did not wait
-    # for it (claim_batch's ``wait=False``): nothing was counted or claimed.
+    # for it (claim_batch's ``contend=False``): nothing was counted or claimed.
     busy: bool = False
 
     @property
@@ -162,14 +162,14 @@ def claim_batch(
     content: bool = True,
     table: TableLike = None,
     now: datetime | None = None,
-    wait: bool = True,
+    contend: bool = True,
 ) -> ClaimBatch:
     """``claim``, saying whether the in-flight cap cut it short.
 
     ``content=False`` leaves each row's payload, created_at, lease_until
     (None) and headers (empty) out, except a durable Celery task's row: for
     a claim whose rows are delivered by ``begin``, which reads them again.
-    ``wait=False``: when another claim holds the cap's lock, return at once
+    ``contend=False``: when another claim holds the cap's lock, return at once
     (``busy``) instead of queueing behind it only to find the rows it took.
 
     Under the cap's lock the live leases are counted first and the claim
@@ -194,7 +194,7 @@ def claim_batch(
             conn.execute(q.rescue, {"max_attempts": max_attempts, "batch": 1000, "now": now})
         if max_in_flight is not None:
             key = {"key": f"{q.table.lock_key}:claim"}
-            if wait:
+            if contend:
                 conn.execute(q.claim_lock, key)
             else:
                 taken = conn.execute(q.try_claim_lock, key).fetchone()
