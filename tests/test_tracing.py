@@ -162,7 +162,7 @@ def test_without_opentelemetry_nothing_changes_and_nothing_is_imported(dsn: str)
     }
 
 
-def test_with_the_api_alone_only_a_row_with_trace_context_gets_a_span() -> None:
+def test_with_the_api_alone_only_a_row_with_headers_gets_a_span() -> None:
     # No SDK provider is set globally in the tests (tests/otel.py): the
     # relay's default tracer then has nothing to record. A row without
     # headers has nothing to forward either, so it gets no span (they cost

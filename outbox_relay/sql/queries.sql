@@ -130,7 +130,8 @@ SELECT 1;
 
 -- name: async_commit_session
 -- A worker connection whose finalizes do not wait for the WAL flush
--- (Settings.synchronous_finalize = false); claims set it back (durable_commit).
+-- (Settings.synchronous_finalize = false); claims set it back for their own
+-- transaction (durable_commit, or claim_lock under the in-flight cap).
 SET synchronous_commit = off;
 
 -- name: relay_session
