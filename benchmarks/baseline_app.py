@@ -2,6 +2,8 @@
 
 ``noop`` does nothing. ``update`` does what the relay's per-message task
 must at least do: one PostgreSQL UPDATE and commit, on a connection per process.
+Its statements are counted as the relay's are (``benchmarks/counting.py``):
+the same column of the table for both sides of a ratio.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import psycopg
 from celery import Celery
 from celery.signals import worker_process_init
 
-from benchmarks import timeline
+from benchmarks import counting, timeline
 
 app = Celery("bench-baseline", broker=os.environ.get("CELERY_BROKER_URL"))
 app.conf.update(
@@ -25,8 +27,12 @@ app.conf.update(
 )
 
 
+counting.install()
+
+
 @worker_process_init.connect  # type: ignore[untyped-decorator]
 def _timeline_in_child(**_: Any) -> None:
+    counting.install()  # when BENCH_COUNT_DIR is set
     timeline.install()  # when BENCH_TIMELINE_DIR is set; these tasks count as "other"
 
 

@@ -15,7 +15,7 @@ from celery import Celery
 from celery.signals import worker_process_init
 
 import outbox_relay
-from benchmarks import timeline
+from benchmarks import counting, timeline
 from outbox_relay.celery import DurableTask
 
 app = Celery("bench-durable", broker=os.environ.get("CELERY_BROKER_URL"))
@@ -33,8 +33,12 @@ def durable_update(self: Any, item: int) -> None:
     self.outbox_conn.execute("UPDATE bench_items SET done = true WHERE id = %s", (item,))
 
 
+counting.install()  # statements, as in the relay's own app (benchmarks/relay_app.py)
+
+
 @worker_process_init.connect  # type: ignore[untyped-decorator]
 def _timeline_in_child(**_: Any) -> None:
+    counting.install()
     timeline.install()  # when BENCH_TIMELINE_DIR is set; durable runs count as "other"
 
 

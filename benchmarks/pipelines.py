@@ -25,6 +25,7 @@ import psycopg
 from benchmarks import timeline
 from benchmarks.run import (
     Bench,
+    Costs,
     CpuMeter,
     Figure,
     Probe,
@@ -101,13 +102,18 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
         env = celery_env(dsn, b.broker, max_in_flight=in_flight)
         env["BENCH_ACK_EMULATION"] = "true" if ack_emulation else "false"
         env["BENCH_TIMELINE_DIR"] = str(folder / "timeline")
+        env["BENCH_COUNT_DIR"] = str(folder / "counts")
         runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
+        progress = Progress(dsn)
         try:
+            # From before the worker starts (the rows wait in the table): every
+            # statement of every claim, send and run, and the start-up's few.
+            costs = Costs(progress, folder / "counts")
+            costs.start()
             runner.beat()
             worker = runner.worker(
                 concurrency=b.procs, ready=False, events=False, args=("-l", "warning")
             )
-            progress = Progress(dsn)
             cpu = CpuMeter(progress, worker_groups(worker.popen.pid))
             next_sample = [0.0]
             window = [0.0]
@@ -127,28 +133,27 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                     next_sample[0] = time.monotonic() + 0.5
                 return progress.finished()
 
-            try:
-                seconds = wait_progress(started, finished, timeout=900, poll=0.05)
-                window_end = time.time()
-                if progress.done() != n:
-                    raise RuntimeError(f"durable: only {progress.done()} of {n} done")
-                row = progress.conn.execute(
-                    "SELECT count(*) FROM bench_items WHERE NOT done"
-                ).fetchone()
-                if row is None or row[0]:
-                    raise RuntimeError(f"durable: {row} items without their effect")
-                acks = "" if ack_emulation else ", Redis ack_emulation off"
-                figure = Figure(
-                    f"durable task (UPDATE with its done), relay-sent, "
-                    f"in-flight cap {in_flight}{acks}",
-                    n,
-                    seconds,
-                )
-                cpu.charge(figure)
-                figure.pool = timeline.shares(folder / "timeline", window[0], window_end)
-            finally:
-                progress.close()
+            seconds = wait_progress(started, finished, timeout=900, poll=0.05)
+            window_end = time.time()
+            if progress.done() != n:
+                raise RuntimeError(f"durable: only {progress.done()} of {n} done")
+            row = progress.conn.execute(
+                "SELECT count(*) FROM bench_items WHERE NOT done"
+            ).fetchone()
+            if row is None or row[0]:
+                raise RuntimeError(f"durable: {row} items without their effect")
+            acks = "" if ack_emulation else ", Redis ack_emulation off"
+            figure = Figure(
+                f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}{acks}",
+                n,
+                seconds,
+            )
+            cpu.charge(figure)
+            runner.stop_all()  # see run.Costs.finish
+            costs.finish(figure)
+            figure.pool = timeline.shares(folder / "timeline", window[0], window_end)
         finally:
+            progress.close()
             runner.stop_all()
             shutil.rmtree(folder, ignore_errors=True)
     return figure
