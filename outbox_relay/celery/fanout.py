@@ -23,6 +23,7 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
 from .durable_send import DurableSends, declare_routed_queue, is_durable_row, send_durable
 from .options import time_limits
+from .sender import RoundSender
 
 __all__ = [
     "DrainPlan",
@@ -212,10 +213,13 @@ def fan_out(
             # The queue of each delivery task this round sends, declared once
             # per round, not per message (see declare_routed_queue); not the
             # other task's (a routing and a copy of its queue per round).
-            for name in sorted(
-                {(deliver if len(c) == 1 else deliver_batch).name for c in plain_chunks}
+            senders: dict[str, RoundSender] = {}
+            for task in sorted(
+                {deliver if len(c) == 1 else deliver_batch for c in plain_chunks},
+                key=lambda t: str(t.name),
             ):
-                declare_routed_queue(app, producer, name, sends.declared)
+                declare_routed_queue(app, producer, task.name, sends.declared)
+                senders[task.name] = RoundSender(app, task, producer, common)
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
                     assert follow_up is not None
@@ -224,22 +228,17 @@ def fan_out(
                     send_durable(app, settings, producer, chunk[0], sends, lineage)
                     continue
                 refs = [c.ref for c in chunk]
+                kwargs = {"drain": plan.when} if number == plan.marked else {}
+                args: tuple[Any, ...]
+                if len(refs) == 1:
+                    sender = senders[deliver.name]
+                    args = (refs[0].id, refs[0].lease_version)
+                else:
+                    sender = senders[deliver_batch.name]
+                    args = ([[r.id, r.lease_version] for r in refs],)
                 # Both reprs given: Celery would otherwise saferepr() each
                 # task's arguments (a twentieth of a per-message fan-out).
-                options = {
-                    **common,
-                    "producer": producer,
-                    "argsrepr": argsrepr(refs),
-                    "kwargsrepr": "{}",
-                }
-                if number == plan.marked:
-                    options["kwargs"] = {"drain": plan.when}
-                    options["kwargsrepr"] = repr(options["kwargs"])
-                if len(refs) == 1:
-                    deliver.apply_async((refs[0].id, refs[0].lease_version), **options)
-                else:
-                    pairs = [[r.id, r.lease_version] for r in refs]
-                    deliver_batch.apply_async((pairs,), **options)
+                sender.send(args, kwargs, argsrepr=argsrepr(refs), kwargsrepr=repr(kwargs))
     except Exception:
         # Some tasks may have reached the broker before the failure (a batch
         # flushes as it fills). Release every row anyway: a task that arrives
