@@ -37,10 +37,13 @@ OPTIONS: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def app_and_queue() -> Iterator[tuple[Celery, str]]:
+@pytest.fixture(params=["utc", "local time"])
+def app_and_queue(request: pytest.FixtureRequest) -> Iterator[tuple[Celery, str]]:
     queue = f"routed-{uuid.uuid4().hex[:8]}"
     app = Celery("sender-test", broker=services.redis_url())
+    if request.param == "local time":
+        # Celery then writes the expiry in this zone: so must the sender.
+        app.conf.update(enable_utc=False, timezone="America/New_York")
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

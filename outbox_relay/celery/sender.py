@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from celery.utils.nodenames import anon_nodename
+from celery.utils.time import maybe_make_aware
 from kombu.utils.uuid import uuid
 
 __all__ = ["RoundSender"]
@@ -39,7 +40,8 @@ class RoundSender:
 
     def __init__(self, app: Any, task: Any, producer: Any, options: dict[str, Any]) -> None:
         # As apply_async: the task's own execution options (its annotations'
-        # queue, priority, time limits ...) under the caller's.
+        # queue, priority, time limits ...) under the caller's. Task's own
+        # cached reader of them, the one apply_async calls (since Celery 4).
         merged: dict[str, Any] = {**task._get_exec_options(), **options}
         merged.setdefault("ignore_result", task.ignore_result)
         merged.pop("add_to_parent", None)  # never a result object to add
@@ -52,8 +54,10 @@ class RoundSender:
         self.expires: str | None = None
         if expires is not None:
             seconds = max(0.0, float(expires))
-            # The header Celery checks in the worker, and the broker's TTL.
-            self.expires = (app.now() + timedelta(seconds=seconds)).isoformat()
+            # The header Celery checks in the worker (in the app's time zone,
+            # as Celery writes it), and the broker's TTL.
+            at = maybe_make_aware(app.now() + timedelta(seconds=seconds), tz=app.timezone)
+            self.expires = at.isoformat()
             merged["expiration"] = seconds
         self.options = app.amqp.router.route(merged, task.name, (), {}, task)
         self.app = app
