@@ -149,8 +149,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
                 seconds,
             )
             cpu.charge(figure)
-            runner.stop_all()  # see run.Costs.finish
-            costs.finish(figure)
+            costs.finish(figure, stop=runner.stop_all)
             figure.pool = timeline.shares(folder / "timeline", window[0], window_end)
         finally:
             progress.close()

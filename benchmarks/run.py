@@ -362,23 +362,32 @@ class Costs:
         self.probe_queries = self.probe.queries
         self.xacts = self.probe.xacts()
 
-    def finish(self, figure: Figure) -> Figure:
-        """Charge what changed to ``figure``, after its processes have stopped.
+    def finish(self, figure: Figure, stop: Callable[[], None] | None = None) -> Figure:
+        """Charge what changed to ``figure``; ``stop`` ends the measured processes.
 
-        A PostgreSQL backend reports its transactions to the statistics
-        (``xact_commit``) at most once a second while busy, and one left idle
-        only 10 s later; one that disconnects reports at once. Read while the
-        workers' connections were open, transactions per message came out a
-        tenth to a fifth low (0.82 for the UPDATE task, against 1.00 read
-        after 11 s). So workers are stopped first, and their backends get a
-        moment to exit.
+        The driver's counts are read first, while the processes still write
+        them (every 0.2 s; a process stopped before its last write would
+        take its last counts with it). The server's transactions are read
+        after ``stop``: a PostgreSQL backend reports its transactions to the
+        statistics (``xact_commit``) at most once a second while busy, and
+        one left idle only 10 s later; one that disconnects reports at once.
+        Read while the workers' connections were open, transactions per
+        message came out a tenth to a fifth low (0.82 for the UPDATE task,
+        against 1.00 read after 11 s).
         """
         time.sleep(0.5)
-        xacts = self.probe.xacts() - self.xacts - (self.probe.queries - self.probe_queries)
-        figure.transactions = xacts / figure.messages
         if self.counts:
             after = counting.totals(self.counts)
             figure.statements = (after["statements"] - self.driver["statements"]) / figure.messages
+        if stop is not None:
+            stop()
+        # The probe's own backend reports at the end of a transaction at
+        # most once a second: one query more than a second after its last
+        # (and after the workers' backends have exited) reports them all.
+        time.sleep(1.1)
+        self.probe.one("SELECT 1")
+        xacts = self.probe.xacts() - self.xacts - (self.probe.queries - self.probe_queries)
+        figure.transactions = xacts / figure.messages
         return figure
 
 
@@ -461,8 +470,7 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
             figure = Figure(f"celery {kind} task x{b.procs} (pre-queued)", n, seconds)
             cpu.charge(figure)
             if costs is not None:
-                runner.stop_all()  # see Costs.finish
-                costs.finish(figure)
+                costs.finish(figure, stop=runner.stop_all)
             figure.pool = timeline.shares(folder / "timeline", window_start, window_end)
         finally:
             probe.close()
@@ -551,8 +559,7 @@ def relay(
             seconds = (probe.last_done_at() - committed).total_seconds()
             figure = Figure(name, n, seconds)
             cpu.charge(figure)
-            runner.stop_all()  # see Costs.finish
-            costs.finish(figure)
+            costs.finish(figure, stop=runner.stop_all)
             figure.pause = probe.longest_pause(first)
             figure.pool = timeline.shares(folder / "timeline", window_start, window_end)
             if rss:
