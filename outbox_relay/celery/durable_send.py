@@ -26,7 +26,13 @@ from ..model import Claimed, Outcome
 from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION
 from .durable_run import begin_margin
 
-__all__ = ["DurableSends", "declare_routed_queue", "is_durable_row", "send_durable"]
+__all__ = [
+    "DurableSends",
+    "declare_queue",
+    "declare_routed_queue",
+    "is_durable_row",
+    "send_durable",
+]
 
 
 def is_durable_row(row: Claimed) -> bool:
@@ -83,6 +89,12 @@ def declare_routed_queue(
     RabbitMQ never drops a message for a queue no worker has declared yet.
     """
     queue = app.amqp.router.route(dict(options or {}), name, args, kwargs or {}).get("queue")
+    declare_queue(producer, queue, declared)
+
+
+def declare_queue(producer: Any, queue: Any, declared: set[tuple[str, str, str]]) -> None:
+    """Declare a routed ``queue`` on ``producer``'s connection unless the round's
+    ``declared`` holds it already (see ``declare_routed_queue``)."""
     # Celery never declares a broadcast queue for a sent task either.
     if not isinstance(queue, Queue) or isinstance(queue, Broadcast):
         return

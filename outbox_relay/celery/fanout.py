@@ -21,7 +21,7 @@ from ..config import Settings
 from ..db import Database
 from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
-from .durable_send import DurableSends, declare_routed_queue, is_durable_row, send_durable
+from .durable_send import DurableSends, declare_queue, is_durable_row, send_durable
 from .options import time_limits
 from .sender import RoundSender
 
@@ -210,16 +210,17 @@ def fan_out(
     common.update(lineage, declare=[])
     try:
         with app.producer_or_acquire() as producer, _batched(producer):
-            # The queue of each delivery task this round sends, declared once
-            # per round, not per message (see declare_routed_queue); not the
-            # other task's (a routing and a copy of its queue per round).
+            # Each delivery task this round sends, routed once (RoundSender),
+            # and the queue it routes to declared once per round, not per
+            # message (see declare_routed_queue); not the other task's.
             senders: dict[str, RoundSender] = {}
             for task in sorted(
                 {deliver if len(c) == 1 else deliver_batch for c in plain_chunks},
                 key=lambda t: str(t.name),
             ):
-                declare_routed_queue(app, producer, task.name, sends.declared)
-                senders[task.name] = RoundSender(app, task, producer, common)
+                sender = RoundSender(app, task, producer, common)
+                declare_queue(producer, sender.options.get("queue"), sends.declared)
+                senders[task.name] = sender
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
                     assert follow_up is not None

@@ -13,10 +13,11 @@ and hands each message to Celery's own ``create_task_message`` and
 (``before_task_publish`` / ``after_task_publish`` signals, the task-sent
 event, the retry policy) exactly as ``apply_async`` would.
 
-Routing once per round is what the fan-out already did for declaring the
-queue (``durable_send.declare_routed_queue``): the user's ``task_routes``
-decide, without the message's arguments (ids and lease versions). The
-expiry is fixed when the round starts; its sends take milliseconds.
+The round is routed once, without the message's arguments (ids and lease
+versions): the user's ``task_routes`` and the task's own options decide, and
+the fan-out declares the queue this route names (``options["queue"]``) once
+per round. The expiry is fixed when the round starts; its sends take
+milliseconds.
 """
 
 from __future__ import annotations

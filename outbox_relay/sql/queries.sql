@@ -282,14 +282,15 @@ WITH ready AS (
      WHERE o.id = ready.id
  RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
            o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
-           o.ordered, o.status
+           o.ordered, o.status,
+           %(content)s OR o.event_type = 'celery.durable' AS whole
 )
 SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
-       CASE WHEN %(content)s OR event_type = 'celery.durable' THEN payload END,
-       CASE WHEN %(content)s OR event_type = 'celery.durable' THEN headers END,
+       CASE WHEN whole THEN payload END,
+       CASE WHEN whole THEN headers END,
        operation_key,
-       CASE WHEN %(content)s OR event_type = 'celery.durable' THEN created_at END,
-       CASE WHEN %(content)s OR event_type = 'celery.durable' THEN lease_until END,
+       CASE WHEN whole THEN created_at END,
+       CASE WHEN whole THEN lease_until END,
        ordered
   FROM changed
  WHERE status = 'processing';
