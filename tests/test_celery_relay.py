@@ -21,7 +21,6 @@ from typing import Any
 
 import psycopg
 import pytest
-import redis
 
 import outbox_relay
 from outbox_relay import NewMessage
@@ -31,12 +30,6 @@ from .apps.recording import DDL
 from .celery_procs import CeleryProcs, counts, wait_for
 
 pytestmark = pytest.mark.celery
-
-
-def redis_client(url: str) -> redis.Redis:
-    if url.startswith("redis+socket://"):
-        return redis.Redis(unix_socket_path=url[len("redis+socket://") :])
-    return redis.Redis.from_url(url)
 
 
 @pytest.fixture
@@ -240,7 +233,7 @@ def test_standalone_app_keeps_no_unacked_copies_in_redis(
     procs = procs_factory(recorded_dsn, redis_broker)
     procs.worker(concurrency=2)
     ids = enqueue_orders(recorded_dsn, 300)
-    client = redis_client(redis_broker)
+    client = services.redis_client(redis_broker)
     seen_unacked = False
     deadline = time.monotonic() + 90
     while all_done(recorded_dsn, 300) is None:
@@ -290,7 +283,7 @@ def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
     # behind the deliveries before it, and under CI's load fewer than 40
     # were ever leased at the same moment.
     wait_for(lambda: counts(recorded_dsn).get("processing", 0) >= 40, timeout=30, what="claimed")
-    client = redis_client(redis_broker)
+    client = services.redis_client(redis_broker)
     # The claim commits its leases before it sends their tasks.
     wait_for(lambda: client.llen("outbox") >= 20, timeout=30, what="tasks waiting in Redis")
     client.flushdb()  # the broker loses every queued task (same as FLUSHALL for this db)

@@ -25,11 +25,11 @@ from ..config import Settings
 from ..model import Claimed, Outcome
 from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION
 from .durable_run import begin_margin
+from .sender import RoundSender
 
 __all__ = [
     "DurableSends",
     "declare_queue",
-    "declare_routed_queue",
     "is_durable_row",
     "send_durable",
 ]
@@ -46,7 +46,7 @@ class DurableSends:
 
     handed_off: list[Claimed] = field(default_factory=list)
     broken: list[Outcome] = field(default_factory=list)
-    # Queues this round has declared, with their bindings (declare_routed_queue).
+    # Queues this round has declared, with their bindings (declare_queue).
     declared: set[tuple[str, str, str]] = field(default_factory=set)
 
     def outcomes(self) -> list[Outcome]:
@@ -67,34 +67,18 @@ def _chain_option(app: Any, chain: Sequence[Any]) -> list[Any] | None:
     return [signature(dict(step), app=app) for step in reversed(chain)]
 
 
-def declare_routed_queue(
-    app: Any,
-    producer: Any,
-    name: str,
-    declared: set[tuple[str, str, str]],
-    options: dict[str, Any] | None = None,
-    args: Any = (),
-    kwargs: Any = None,
-) -> None:
-    """Declare the queue Celery will route this task to, once per round.
+def declare_queue(producer: Any, queue: Any, declared: set[tuple[str, str, str]]) -> None:
+    """Declare a routed ``queue`` on ``producer``'s connection, once per round.
 
     Celery declares a task's queue with every message it sends (kombu
     caches the declaration per connection, but binds a fresh copy of the
     queue each time: a fifth of a per-message fan-out, a quarter of a
-    durable task's send). Routed here as Celery routes it (a route may
-    depend on the options or arguments) and declared on this producer's
-    connection unless ``declared`` (the round's) already holds it; the
-    message then goes with ``declare=[]``. Each round declares again, so a
-    broker that lost its queue has it back before the round is sent, and
-    RabbitMQ never drops a message for a queue no worker has declared yet.
+    durable task's send). Declared here on this producer's connection unless
+    ``declared`` (the round's) already holds it; the message then goes with
+    ``declare=[]``. Each round declares again, so a broker that lost its
+    queue has it back before the round is sent, and RabbitMQ never drops a
+    message for a queue no worker has declared yet.
     """
-    queue = app.amqp.router.route(dict(options or {}), name, args, kwargs or {}).get("queue")
-    declare_queue(producer, queue, declared)
-
-
-def declare_queue(producer: Any, queue: Any, declared: set[tuple[str, str, str]]) -> None:
-    """Declare a routed ``queue`` on ``producer``'s connection unless the round's
-    ``declared`` holds it already (see ``declare_routed_queue``)."""
     # Celery never declares a broadcast queue for a sent task either.
     if not isinstance(queue, Queue) or isinstance(queue, Broadcast):
         return
@@ -106,9 +90,8 @@ def declare_queue(producer: Any, queue: Any, declared: set[tuple[str, str, str]]
 
 
 def send_durable(
-    app: Any,
+    sender: RoundSender,
     settings: Settings,
-    producer: Any,
     row: Claimed,
     sends: DurableSends,
     lineage: dict[str, Any],
@@ -117,6 +100,9 @@ def send_durable(
 
     ``lineage``: the claim task's ``parent_id``/``root_id``, looked up once
     per round by the fan-out (``add_to_parent`` off, as for its deliveries).
+    Sent as ``app.send_task`` would send it (``RoundSender.for_name``), never
+    run inline (``task_always_eager``), and the task need not be registered
+    in the relay's process.
     """
     payload = row.payload if isinstance(row.payload, dict) else {}
     try:
@@ -134,27 +120,26 @@ def send_durable(
             Outcome.dead(row, error=f"not a durable task row ({type(exc).__name__}: {exc})")
         )
         return
-    lease = _lease(row, settings)
-    row_label = f"(outbox #{row.id} v{row.lease_version})"
-    declare_routed_queue(app, producer, name, sends.declared, options, args, kwargs)
-    send: dict[str, Any] = {
-        **options,
-        **lineage,
-        "declare": [],
-        "task_id": task_id,
-        "producer": producer,
-        "serializer": "json",
-        "argsrepr": row_label,
-        "kwargsrepr": "{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}" if kwargs else "{}",
-    }
+    send: dict[str, Any] = {**options, **lineage, "declare": [], "serializer": "json"}
+    headers: dict[str, Any] | None = None
     if track:
-        send["headers"] = {HEADER_ID: row.id, HEADER_LEASE_VERSION: row.lease_version}
+        headers = {HEADER_ID: row.id, HEADER_LEASE_VERSION: row.lease_version}
+        lease = _lease(row, settings)
         send["expires"] = max(1.0, lease - begin_margin(lease))
-    else:
+    # Routed once, with the row's arguments (a user's router may read them);
+    # its queue declared once per round.
+    route = sender.for_name(name, send, args, kwargs)
+    declare_queue(sender.producer, route.options.get("queue"), sends.declared)
+    sender.send(
+        route,
+        args,
+        kwargs,
+        task_id=task_id,
+        argsrepr=f"(outbox #{row.id} v{row.lease_version})",
+        kwargsrepr="{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}" if kwargs else "{}",
+        headers=headers,
         # The rest of the chain continues as Celery's own (see the module doc).
-        send["chain"] = _chain_option(app, chain)
-    # send_task, not Task.apply_async: never run inline (task_always_eager),
-    # and no need for the task to be registered in the relay's process.
-    app.send_task(name, args=args, kwargs=kwargs, **send)
+        chain=None if track else _chain_option(sender.app, chain),
+    )
     if not track:
         sends.handed_off.append(row)

@@ -23,7 +23,7 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..store import finalize
 from .durable_send import DurableSends, declare_queue, is_durable_row, send_durable
 from .options import time_limits
-from .sender import RoundSender
+from .sender import RoundSender, Route
 
 __all__ = [
     "DrainPlan",
@@ -212,34 +212,35 @@ def fan_out(
         with app.producer_or_acquire() as producer, _batched(producer):
             # Each delivery task this round sends, routed once (RoundSender),
             # and the queue it routes to declared once per round, not per
-            # message (see declare_routed_queue); not the other task's.
-            senders: dict[str, RoundSender] = {}
+            # message (see declare_queue); not the other task's.
+            sender = RoundSender(app, producer)
+            routes: dict[str, Route] = {}
             for task in sorted(
                 {deliver if len(c) == 1 else deliver_batch for c in plain_chunks},
                 key=lambda t: str(t.name),
             ):
-                sender = RoundSender(app, task, producer, common)
-                declare_queue(producer, sender.options.get("queue"), sends.declared)
-                senders[task.name] = sender
+                route = sender.for_task(task, common)
+                declare_queue(producer, route.options.get("queue"), sends.declared)
+                routes[task.name] = route
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
                     assert follow_up is not None
                     follow_up(producer)
                 if is_durable_row(chunk[0]):
-                    send_durable(app, settings, producer, chunk[0], sends, lineage)
+                    send_durable(sender, settings, chunk[0], sends, lineage)
                     continue
                 refs = [c.ref for c in chunk]
                 kwargs = {"drain": plan.when} if number == plan.marked else {}
                 args: tuple[Any, ...]
                 if len(refs) == 1:
-                    sender = senders[deliver.name]
+                    route = routes[deliver.name]
                     args = (refs[0].id, refs[0].lease_version)
                 else:
-                    sender = senders[deliver_batch.name]
+                    route = routes[deliver_batch.name]
                     args = ([[r.id, r.lease_version] for r in refs],)
                 # Both reprs given: Celery would otherwise saferepr() each
                 # task's arguments (a twentieth of a per-message fan-out).
-                sender.send(args, kwargs, argsrepr=argsrepr(refs), kwargsrepr=repr(kwargs))
+                sender.send(route, args, kwargs, argsrepr=argsrepr(refs), kwargsrepr=repr(kwargs))
     except Exception:
         # Some tasks may have reached the broker before the failure (a batch
         # flushes as it fills). Release every row anyway: a task that arrives
