@@ -53,4 +53,14 @@ if str(app.conf.broker_url).startswith(("redis", "rediss")):
         "ack_emulation": False,
         **(app.conf.broker_transport_options or {}),
     }
+# Celery looks up the time zone for every task message that carries an
+# expiry, as every relay task does (the worker's main process, per message).
+# With none configured, that lookup walks every configuration source for
+# ``timezone`` and then Django's ``TIME_ZONE``: 31 us a message here against
+# 5 with one set, about a twentieth of the main process's time per message
+# in per-message delivery. UTC is what Celery uses then anyway; a
+# celeryconfig's own ``timezone`` (or ``enable_utc = False``) wins.
+if app.conf.timezone is None and app.conf.enable_utc:
+    app.conf.timezone = "UTC"
+
 install(app)

@@ -610,3 +610,42 @@ def test_metrics_scrape_during_a_real_run(recorded_dsn, redis_broker, procs_fact
     assert value(samples, "outbox_messages", status="dead") == 1
     assert value(samples, "outbox_messages", status="pending") == 0
     assert value(samples, "outbox_expired_leases") == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ("", "UTC UTC"),
+        ("timezone = 'Europe/Berlin'\n", "Europe/Berlin Europe/Berlin"),
+        # Celery's local time then: the app leaves the zone unset.
+        ("enable_utc = False\n", "None local"),
+    ],
+)
+def test_standalone_app_names_its_time_zone(tmp_path, config, expected):
+    # outbox_relay.app sets timezone = "UTC" where nothing else is set (the
+    # zone Celery uses then anyway): Celery looks the setting up for every
+    # task message with an expiry, and an unset one walks every
+    # configuration source twice (31 against 5 us a message). A user's
+    # own setting still decides.
+    (tmp_path / "tzconfig.py").write_text(config)
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from outbox_relay.app import app;"
+            "print(app.conf.timezone, 'local' if not app.conf.enable_utc else app.timezone)",
+        ],
+        env={
+            **os.environ,
+            "CELERY_BROKER_URL": "redis://127.0.0.1:1/0",
+            "OUTBOX_DSN": "postgresql://relay@127.0.0.1:1/outbox",
+            "OUTBOX_PUBLISHER": "tests.apps.recording:publish",
+            "CELERY_CONFIG_MODULE": "tzconfig",
+            "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parent.parent}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert shown.stdout.strip().splitlines()[-1] == expected, shown.stderr
