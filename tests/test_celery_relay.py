@@ -243,20 +243,35 @@ def test_standalone_app_keeps_no_unacked_copies_in_redis(
     assert not seen_unacked
     assert {r[0] for r in published(recorded_dsn)} == set(ids)
     # A celeryconfig of the user's own still decides.
-    (tmp_path / "ackconfig.py").write_text("broker_transport_options = {'ack_emulation': True}\n")
+    shown = _standalone_app_shows(
+        tmp_path,
+        "broker_transport_options = {'ack_emulation': True}\n",
+        "app.conf.broker_transport_options['ack_emulation']",
+        broker=redis_broker,
+        dsn=recorded_dsn,
+    )
+    assert shown == "True"
+
+
+def _standalone_app_shows(
+    tmp_path: Path,
+    config: str,
+    expression: str,
+    *,
+    broker: str = "redis://127.0.0.1:1/0",
+    dsn: str = "postgresql://relay@127.0.0.1:1/outbox",
+) -> str:
+    """What ``expression`` prints in a fresh process that imports
+    ``outbox_relay.app`` with ``config`` as its celeryconfig module."""
+    (tmp_path / "userconfig.py").write_text(config)
     shown = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from outbox_relay.app import app;"
-            "print(app.conf.broker_transport_options['ack_emulation'])",
-        ],
+        [sys.executable, "-c", f"from outbox_relay.app import app; print({expression})"],
         env={
             **os.environ,
-            "CELERY_BROKER_URL": redis_broker,
-            "OUTBOX_DSN": recorded_dsn,
+            "CELERY_BROKER_URL": broker,
+            "OUTBOX_DSN": dsn,
             "OUTBOX_PUBLISHER": "tests.apps.recording:publish",
-            "CELERY_CONFIG_MODULE": "ackconfig",
+            "CELERY_CONFIG_MODULE": "userconfig",
             "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parent.parent}",
         },
         capture_output=True,
@@ -264,7 +279,9 @@ def test_standalone_app_keeps_no_unacked_copies_in_redis(
         timeout=60,
         check=True,
     )
-    assert shown.stdout.strip().splitlines()[-1] == "True", shown.stderr
+    lines = shown.stdout.strip().splitlines()
+    assert lines, shown.stderr
+    return lines[-1]
 
 
 def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
@@ -627,25 +644,9 @@ def test_standalone_app_names_its_time_zone(tmp_path, config, expected):
     # task message with an expiry, and an unset one walks every
     # configuration source twice (31 against 5 us a message). A user's
     # own setting still decides.
-    (tmp_path / "tzconfig.py").write_text(config)
-    shown = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from outbox_relay.app import app;"
-            "print(app.conf.timezone, 'local' if not app.conf.enable_utc else app.timezone)",
-        ],
-        env={
-            **os.environ,
-            "CELERY_BROKER_URL": "redis://127.0.0.1:1/0",
-            "OUTBOX_DSN": "postgresql://relay@127.0.0.1:1/outbox",
-            "OUTBOX_PUBLISHER": "tests.apps.recording:publish",
-            "CELERY_CONFIG_MODULE": "tzconfig",
-            "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parent.parent}",
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    shown = _standalone_app_shows(
+        tmp_path,
+        config,
+        "app.conf.timezone, 'local' if not app.conf.enable_utc else app.timezone",
     )
-    assert shown.stdout.strip().splitlines()[-1] == expected, shown.stderr
+    assert shown == expected

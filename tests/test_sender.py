@@ -163,8 +163,9 @@ def _assert_same(
 
     # The properties: the broker's TTL, routing and encoding alike.
     celery_props, sender_props = dict(by_celery["properties"]), dict(by_sender["properties"])
-    for props in (celery_props, sender_props):
-        props.pop("correlation_id")
+    for props, message in ((celery_props, by_celery), (sender_props, by_sender)):
+        # Celery's correlation id is the message's own task id.
+        assert props.pop("correlation_id") == message["headers"]["id"]
         props.pop("delivery_tag")
     # apply_async and send_task also copy the two reprs into the properties
     # (their options go to kombu whole); Celery's worker, events and Flower
