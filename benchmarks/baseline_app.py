@@ -24,6 +24,9 @@ app.conf.update(
     task_ignore_result=True,
     task_default_queue="baseline",
     broker_connection_retry_on_startup=True,
+    # As docs/durable.md advises (the worker looks it up for every message
+    # with an expiry, as durable tasks have); the same in both apps.
+    timezone="UTC",
 )
 
 

@@ -1023,6 +1023,48 @@ def test_a_claim_that_does_not_wait_leaves_the_rows_to_the_claim_in_progress(dsn
         assert not after.busy and store.in_flight(other) == 10
 
 
+def test_a_durable_run_begins_with_its_chain_only(conn: psycopg.Connection[Any]) -> None:
+    # begin_run: the fence and the attempt as begin counts them, but of the
+    # payload only the chain (the run's arguments come with its message).
+    def durable(payload: dict[str, Any]) -> int:
+        [row] = enqueue_many(
+            conn,
+            [NewMessage("celery", "t", "celery.durable", payload)],
+            allow_reserved=True,
+        )
+        return row
+
+    step = {"task": "next", "args": [1]}
+    alone = durable({"task": "t", "args": ["big"] * 100, "chain": []})
+    chained = durable({"task": "t", "args": [], "chain": [step]})
+    conn.commit()
+    claimed = {
+        c.id: c
+        for c in store.claim_batch(
+            conn, owner="A", batch=10, lease=LEASE, count_attempt=False, content=False
+        ).claimed
+    }
+    conn.commit()
+    conn.autocommit = True
+    began = store.begin_run(conn, claimed[alone].ref, needed=SECOND)
+    assert began is not None and began.started
+    assert (began.claimed.payload, began.claimed.attempts) == (None, 1)
+    assert began.claimed.event_type == "celery.durable" and began.lease_left_seconds > 20
+    # The same lease again (a duplicated message) counts nothing more.
+    again = store.begin_run(conn, claimed[alone].ref, needed=SECOND)
+    assert again is not None and again.claimed.attempts == 1
+    # Another lease version is not this run's row.
+    stale = LeaseRef(alone, claimed[alone].lease_version + 1)
+    assert store.begin_run(conn, stale, needed=SECOND) is None
+    assert store.begin_run(conn, LeaseRef(10**12, 1), needed=SECOND) is None
+    # Too little lease left: returned unstarted, no attempt counted.
+    short = store.begin_run(conn, claimed[chained].ref, needed=timedelta(minutes=5))
+    assert short is not None and not short.started and short.claimed.attempts == 0
+    began = store.begin_run(conn, claimed[chained].ref, needed=SECOND)
+    assert began is not None and began.claimed.payload == {"chain": [step]}
+    assert began.claimed.attempts == 1
+
+
 def test_a_claim_without_content_leaves_payloads_to_begin(conn: psycopg.Connection[Any]) -> None:
     # The Celery relay's claim (content=False) carries leases only: the
     # delivery task reads each row as it begins. A durable task's row keeps

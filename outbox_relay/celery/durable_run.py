@@ -277,10 +277,8 @@ def _tracked(
     table = inst.settings.outbox_table
     needed = timedelta(seconds=begin_margin(lease))
     observers = Observers(list(inst.observers))
-    began = current.write(
-        lambda conn: store.begin(conn, [ref], needed=needed, count_attempt=True, table=table)
-    ).get(ref.id)
-    if began is None or began.claimed.lease_version != ref.lease_version:
+    began = current.write(lambda conn: store.begin_run(conn, ref, needed=needed, table=table))
+    if began is None:
         log.info(
             "skipping %s[%s]: outbox #%s v%s is no longer processing under this lease",
             task.name,

@@ -236,7 +236,7 @@ def _claimed(row: Sequence[Any]) -> Claimed:
     return Claimed(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12])
 
 
-def _began(row: Sequence[Any]) -> Began:
+def began_from_row(row: Sequence[Any]) -> Began:
     return Began(_claimed(row), row[12], row[13], bool(row[14]))
 
 
@@ -278,7 +278,7 @@ def begin(
         }
         with statement_tx(conn):
             rows = conn.execute(q.begin, params).fetchall()
-    return {row[0]: _began(row) for row in rows}
+    return {row[0]: began_from_row(row) for row in rows}
 
 
 def _finalize_params(o: Outcome) -> tuple[Any, ...]:
