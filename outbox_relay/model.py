@@ -38,9 +38,8 @@ class Claimed:
     From a claim without content (the Celery relay's, ``store.claim_batch(...,
     content=False)``) ``payload``, ``created_at`` and ``lease_until`` are None
     and ``headers`` empty, except for a durable Celery task's row;
-    ``store.begin`` returns the full row; ``store.begin_run`` (a durable
-    task's run, whose arguments come with its Celery message) the row with
-    ``payload`` cut down to ``{"chain": [...]}`` or None.
+    ``store.begin`` returns the full row (with ``chain_only``, a durable
+    task's run, a payload of its chain alone: ``{"chain": ...}``).
     """
 
     id: int

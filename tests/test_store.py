@@ -1024,8 +1024,9 @@ def test_a_claim_that_does_not_wait_leaves_the_rows_to_the_claim_in_progress(dsn
 
 
 def test_a_durable_run_begins_with_its_chain_only(conn: psycopg.Connection[Any]) -> None:
-    # begin_run: the fence and the attempt as begin counts them, but of the
-    # payload only the chain (the run's arguments come with its message).
+    # begin(chain_only=True), a durable task's run: the fence and the attempt
+    # as ever, but of the payload only the chain (its arguments come with its
+    # Celery message); the multi-row statement does the same.
     def durable(payload: dict[str, Any]) -> int:
         [row] = enqueue_many(
             conn,
@@ -1034,9 +1035,13 @@ def test_a_durable_run_begins_with_its_chain_only(conn: psycopg.Connection[Any])
         )
         return row
 
+    def begin_run(ref: LeaseRef, needed: timedelta = SECOND) -> store.Began | None:
+        return store.begin(conn, [ref], needed=needed, chain_only=True).get(ref.id)
+
     step = {"task": "next", "args": [1]}
     alone = durable({"task": "t", "args": ["big"] * 100, "chain": []})
     chained = durable({"task": "t", "args": [], "chain": [step]})
+    full = durable({"task": "t", "args": [2], "chain": [step]})
     conn.commit()
     claimed = {
         c.id: c
@@ -1046,23 +1051,33 @@ def test_a_durable_run_begins_with_its_chain_only(conn: psycopg.Connection[Any])
     }
     conn.commit()
     conn.autocommit = True
-    began = store.begin_run(conn, claimed[alone].ref, needed=SECOND)
+    began = begin_run(claimed[alone].ref)
     assert began is not None and began.started
-    assert (began.claimed.payload, began.claimed.attempts) == (None, 1)
+    assert (began.claimed.payload, began.claimed.attempts) == ({"chain": []}, 1)
     assert began.claimed.event_type == "celery.durable" and began.lease_left_seconds > 20
     # The same lease again (a duplicated message) counts nothing more.
-    again = store.begin_run(conn, claimed[alone].ref, needed=SECOND)
+    again = begin_run(claimed[alone].ref)
     assert again is not None and again.claimed.attempts == 1
     # Another lease version is not this run's row.
-    stale = LeaseRef(alone, claimed[alone].lease_version + 1)
-    assert store.begin_run(conn, stale, needed=SECOND) is None
-    assert store.begin_run(conn, LeaseRef(10**12, 1), needed=SECOND) is None
+    assert begin_run(LeaseRef(alone, claimed[alone].lease_version + 1)) is None
+    assert begin_run(LeaseRef(10**12, 1)) is None
     # Too little lease left: returned unstarted, no attempt counted.
-    short = store.begin_run(conn, claimed[chained].ref, needed=timedelta(minutes=5))
+    short = begin_run(claimed[chained].ref, needed=timedelta(minutes=5))
     assert short is not None and not short.started and short.claimed.attempts == 0
-    began = store.begin_run(conn, claimed[chained].ref, needed=SECOND)
+    began = begin_run(claimed[chained].ref)
     assert began is not None and began.claimed.payload == {"chain": [step]}
     assert began.claimed.attempts == 1
+    # Two rows in one statement (the unnest form): chains only as well.
+    both = store.begin(
+        conn, [claimed[alone].ref, claimed[chained].ref], needed=SECOND, chain_only=True
+    )
+    assert {i: b.claimed.payload for i, b in both.items()} == {
+        alone: {"chain": []},
+        chained: {"chain": [step]},
+    }
+    # Without chain_only the whole payload, as every delivery task reads it.
+    whole = store.begin(conn, [claimed[full].ref], needed=SECOND)[full]
+    assert whole.claimed.payload == {"task": "t", "args": [2], "chain": [step]}
 
 
 def test_a_claim_without_content_leaves_payloads_to_begin(conn: psycopg.Connection[Any]) -> None:

@@ -277,8 +277,12 @@ def _tracked(
     table = inst.settings.outbox_table
     needed = timedelta(seconds=begin_margin(lease))
     observers = Observers(list(inst.observers))
-    began = current.write(lambda conn: store.begin_run(conn, ref, needed=needed, table=table))
-    if began is None:
+    began = current.write(
+        lambda conn: store.begin(
+            conn, [ref], needed=needed, count_attempt=True, chain_only=True, table=table
+        )
+    ).get(ref.id)
+    if began is None or began.claimed.lease_version != ref.lease_version:
         log.info(
             "skipping %s[%s]: outbox #%s v%s is no longer processing under this lease",
             task.name,

@@ -305,6 +305,9 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
 -- A missing row means "not mine any more". (lease_until, not status: see
 -- finalize.) Empty headers come back as NULL: most rows have none, and
 -- decoding an empty object per row was a twentieth of a chunk's pool time.
+-- %(chain_only)s: of the payload only {"chain": ...}, for a durable task's
+-- run, whose arguments come with its Celery message (not the whole row's
+-- JSON to send and decode per run).
 UPDATE {table} AS o
    SET attempts = o.attempts + CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
@@ -318,7 +321,10 @@ UPDATE {table} AS o
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-          o.event_type, o.payload, nullif(o.headers, jsonb_build_object()), o.operation_key,
+          o.event_type,
+          CASE WHEN %(chain_only)s THEN jsonb_build_object('chain', o.payload->'chain')
+               ELSE o.payload END,
+          nullif(o.headers, jsonb_build_object()), o.operation_key,
           o.created_at, o.lease_until, o.ordered,
           extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8,
           extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8,
@@ -339,34 +345,14 @@ UPDATE {table} AS o
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-          o.event_type, o.payload, nullif(o.headers, jsonb_build_object()), o.operation_key,
+          o.event_type,
+          CASE WHEN %(chain_only)s THEN jsonb_build_object('chain', o.payload->'chain')
+               ELSE o.payload END,
+          nullif(o.headers, jsonb_build_object()), o.operation_key,
           o.created_at, o.lease_until, o.ordered,
           extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8,
           extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - o.created_at)::float8,
           o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval;
-
--- name: begin_run
--- begin_one for a durable task's run, which takes its arguments from the
--- Celery message: of the payload only the chain it hands on (NULL when
--- empty), not the whole row's JSON to send and decode per run.
-UPDATE {table} AS o
-   SET attempts = o.attempts + CASE
-           WHEN o.lease_until - now() >= %(needed)s::interval
-            AND o.began_version IS DISTINCT FROM o.lease_version
-           THEN 1 ELSE 0 END,
-       began_version = CASE
-           WHEN o.lease_until - now() >= %(needed)s::interval
-           THEN o.lease_version ELSE o.began_version END
- WHERE o.id = %(id)s
-   AND o.lease_version = %(version)s
-   AND o.lease_until IS NOT NULL
-RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-          o.event_type, nullif(o.payload->'chain', jsonb_build_array()),
-          nullif(o.headers, jsonb_build_object()), o.operation_key,
-          o.created_at, o.lease_until, o.ordered,
-          extract(epoch FROM o.lease_until - now())::float8,
-          extract(epoch FROM now() - o.created_at)::float8,
-          o.lease_until - now() >= %(needed)s::interval;
 
 -- name: finalize
 -- Fenced finalize of many messages in one statement. A row changes only when

@@ -17,7 +17,7 @@ move the clock; production passes no ``now`` and the database's clock decides.
 from __future__ import annotations
 
 from ._base import MAX_ERROR_LENGTH, statement_tx
-from .durable import begin_run, bound_session
+from .durable import bound_session
 from .ops import PurgeResult, get_row, purge, stats
 from .relay import (
     Began,
@@ -44,7 +44,6 @@ __all__ = [
     "Rescued",
     "applied_migrations",
     "begin",
-    "begin_run",
     "bound_session",
     "claim",
     "claim_batch",

@@ -236,7 +236,7 @@ def _claimed(row: Sequence[Any]) -> Claimed:
     return Claimed(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12])
 
 
-def began_from_row(row: Sequence[Any]) -> Began:
+def _began(row: Sequence[Any]) -> Began:
     return Began(_claimed(row), row[12], row[13], bool(row[14]))
 
 
@@ -246,6 +246,7 @@ def begin(
     *,
     needed: timedelta,
     count_attempt: bool = True,
+    chain_only: bool = False,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> dict[int, Began]:
@@ -253,6 +254,8 @@ def begin(
 
     A row with at least ``needed`` lease left is started, its attempt counted
     (``count_attempt``); one with less comes back with ``started=False``.
+    ``chain_only``: each row's ``payload`` is only ``{"chain": ...}`` (a
+    durable task's run takes its arguments from its Celery message).
     """
     if not refs:
         return {}
@@ -264,6 +267,7 @@ def begin(
             "version": refs[0].lease_version,
             "needed": needed,
             "count_attempt": count,
+            "chain_only": chain_only,
             "now": now,
         }
         with statement_tx(conn):
@@ -274,11 +278,12 @@ def begin(
             "versions": [r.lease_version for r in refs],
             "needed": needed,
             "count_attempt": count,
+            "chain_only": chain_only,
             "now": now,
         }
         with statement_tx(conn):
             rows = conn.execute(q.begin, params).fetchall()
-    return {row[0]: began_from_row(row) for row in rows}
+    return {row[0]: _began(row) for row in rows}
 
 
 def _finalize_params(o: Outcome) -> tuple[Any, ...]:
