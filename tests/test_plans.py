@@ -205,6 +205,7 @@ def one_params(message_id: int) -> dict[str, Any]:
         "version": 1,
         "needed": timedelta(seconds=10),
         "count_attempt": 1,
+        "chain_only": False,
         "status": "done",
         "delay": timedelta(0),
         "refund": 0,
@@ -291,6 +292,7 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
         "versions": [1] * batch,
         "needed": timedelta(seconds=10),
         "count_attempt": 1,
+        "chain_only": False,
         "now": None,
     }
     assert_probes_primary_key(explain(big, Q.begin, begin))
@@ -330,6 +332,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "lease": "'60 seconds'::interval",
         "max_attempts": "12",
         "count_attempt": "0",
+        "chain_only": "false",
         "content": "false",
         "all_ordered": "false",
         "ordered_types": "'{}'::text[]",
