@@ -34,7 +34,9 @@ the median of its rounds). Scenarios, as a user configures them:
 * latency: commit-to-publish p50/p99 for messages committed one at a time
   while the relay is idle, and at a steady rate of half the measured
   chunked maximum in every round (the round with the median p99 shown),
-  with LISTEN/NOTIFY; and idle with polling only.
+  with LISTEN/NOTIFY, committed once by threads of this process and once
+  by sessions of the database (the application's CPU off these two cores);
+  and idle with polling only.
 
 Relay and loop rates are by the database's clock: from the commit of all the
 messages in one transaction (the relay already running and idle) to the last
@@ -645,11 +647,18 @@ def latency(
     listen: bool = True,
     interval: float = 5.0,
     chunk: int = 50,
+    in_database: bool = False,
 ) -> Figure:
-    """Commit-to-publish latency of messages committed one by one at ``rate`` per second."""
+    """Commit-to-publish latency of messages committed one by one at ``rate`` per second.
+
+    ``in_database``: the producers are PostgreSQL sessions running a
+    procedure (``_produce_in_database``) instead of Python threads beside
+    the relay."""
     with database(b.admin) as dsn:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_latency (id bigint PRIMARY KEY, seconds float8)")
+            if in_database:
+                conn.execute(PRODUCE_PROCEDURE)
         redis_client(b.broker).delete("outbox")
         env = celery_env(
             dsn,
@@ -669,7 +678,8 @@ def latency(
             )
             runner.beat()
             _warm_up(dsn, probe, worker, name)
-            produced = _produce_at(dsn, messages, rate)
+            produce = _produce_in_database if in_database else _produce_at
+            produced = produce(dsn, messages, rate)
             deadline = time.monotonic() + 120
             while probe.one("SELECT count(*) FROM bench_latency") < messages + 1:
                 if time.monotonic() > deadline:
@@ -704,19 +714,43 @@ def median_latency(rounds: list[Figure]) -> Figure:
     return shown
 
 
-def _produce_at(dsn: str, messages: int, rate: float) -> float:
-    """Commit ``messages`` paced to ``rate`` per second; return the rate reached.
+def _stream(messages: int, rate: float) -> tuple[int, list[int]]:
+    """How ``messages`` at ``rate`` per second are committed: messages per
+    transaction, and each producer's share (threads or sessions alike).
 
     One message per transaction up to 500 transactions a second, and above
-    that a few per transaction, from up to 8 threads: on two shared cores,
+    that a few per transaction, from up to 8 producers: on two shared cores,
     thousands of single-message commits a second would leave the relay
     nothing to run on, and the figure would be the producers' own queueing."""
     per_tx = max(1, -(-int(rate) // 500))
     # A commit waits for its WAL flush: a few milliseconds each here, so a
-    # thread commits about a hundred transactions a second.
-    threads = max(1, min(8, -(-int(rate / per_tx) // 100)))
-    per_thread = rate / threads
-    share = [messages // threads + (1 if i < messages % threads else 0) for i in range(threads)]
+    # producer commits about a hundred transactions a second.
+    producers = max(1, min(8, -(-int(rate / per_tx) // 100)))
+    share = [
+        messages // producers + (1 if i < messages % producers else 0) for i in range(producers)
+    ]
+    return per_tx, share
+
+
+def _in_threads(produce: Callable[[int, int], None], share: list[int]) -> float:
+    """Run ``produce(count, offset)`` for each share in a thread; the rate reached."""
+    threads = [
+        threading.Thread(target=produce, args=(count, sum(share[:i])))
+        for i, count in enumerate(share)
+    ]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(share) / (time.monotonic() - t0)
+
+
+def _produce_at(dsn: str, messages: int, rate: float) -> float:
+    """Commit ``messages`` paced to ``rate`` per second from threads of this
+    process with ``enqueue_many``; return the rate reached."""
+    per_tx, share = _stream(messages, rate)
+    per_thread = rate / len(share)
 
     def produce(count: int, offset: int) -> None:
         with psycopg.connect(dsn) as conn:
@@ -737,16 +771,56 @@ def _produce_at(dsn: str, messages: int, rate: float) -> float:
                 )
                 conn.commit()
 
-    workers = [
-        threading.Thread(target=produce, args=(count, sum(share[:i])))
-        for i, count in enumerate(share)
-    ]
-    t0 = time.monotonic()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return messages / (time.monotonic() - t0)
+    return _in_threads(produce, share)
+
+
+# The same transactions as _produce_at's (``per_tx`` rows of insert_many's
+# columns, the table's NOTIFY, one commit each, paced to a due time), written
+# by the server: the application's own CPU is then on no core of this
+# machine, as it would be on its own servers. The rows are the ones
+# enqueue_many writes for these messages (no operation key, no headers).
+PRODUCE_PROCEDURE = """
+CREATE PROCEDURE bench_produce(total int, per_tx int, rate float8, first int, channel text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    started timestamptz := clock_timestamp();
+    done int := 0;
+    pause float8;
+BEGIN
+    WHILE done < total LOOP
+        -- created_at is when the insert ran: the transaction began at the
+        -- last COMMIT, before the pause, which now() would count as latency.
+        INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, ordered,
+                            created_at)
+        SELECT 'order', (first + done + g)::text, 'order.created',
+               jsonb_build_object('i', first + done + g), '{}'::jsonb, false, clock_timestamp()
+          FROM generate_series(0, least(per_tx, total - done) - 1) AS g;
+        PERFORM pg_notify(channel, '');
+        COMMIT;
+        done := done + per_tx;
+        pause := done / rate - extract(epoch FROM clock_timestamp() - started);
+        IF pause > 0 THEN
+            PERFORM pg_sleep(pause);
+        END IF;
+    END LOOP;
+END $$
+"""
+
+
+def _produce_in_database(dsn: str, messages: int, rate: float) -> float:
+    """``_produce_at``'s stream, committed by ``bench_produce`` in as many
+    sessions as it has threads; each thread here only waits for its CALL."""
+    per_tx, share = _stream(messages, rate)
+    channel = OutboxTable.parse(None).channel
+
+    def produce(count: int, offset: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "CALL bench_produce(%s, %s, %s, %s, %s)",
+                (count, per_tx, rate / len(share), offset, channel),
+            )
+
+    return _in_threads(produce, share)
 
 
 def unnest_limit(b: Bench, n: int, *, name: str, batch: int = 500) -> Figure:
@@ -1073,25 +1147,37 @@ def main(argv: list[str] | None = None) -> int:
                 b, name="latency idle, LISTEN/NOTIFY", messages=count, rate=20
             )
             best = max(maxima, key=lambda c: maxima[c], default=None)
-            loads = [] if best is None else [("lat_half", best)]
+            sizes = [] if best is None else [best]
             if 50 in maxima and best != 50 and not args.quick:
-                loads.append(("lat_half_50", 50))
-            # Half load in every round, the chunk sizes alternating: its p99
+                sizes.append(50)
+            # Each size with two kinds of producers: threads of this process
+            # (their Python on the relay's two cores, as before), and
+            # sessions of the database running the same transactions (the
+            # application's CPU elsewhere, as in production; the database's
+            # share of producing stays on this machine).
+            loads = [
+                (f"lat_half{'' if c == best else f'_{c}'}{'_db' if db else ''}", c, db)
+                for c in sizes
+                for db in (False, True)
+            ]
+            # Half load in every round, the settings alternating: its p99
             # swings by several times between runs minutes apart (the knee
             # of two shared cores), so the median round's figure is shown.
-            half_load: dict[str, list[Figure]] = {key: [] for key, _ in loads}
+            half_load: dict[str, list[Figure]] = {key: [] for key, _, _ in loads}
             for _ in range(rounds):
-                for key, chunk in loads:
+                for key, chunk, db in loads:
                     half = maxima[chunk] / 2
+                    by = "database sessions" if db else "Python threads"
                     half_load[key].append(
                         latency(
                             b,
                             name=f"latency at {half:,.0f} msg/s (half the max of chunks of "
-                            f"{chunk}), LISTEN/NOTIFY",
+                            f"{chunk}), LISTEN/NOTIFY, producers: {by}",
                             # Several seconds at that rate: a steady state, not a burst.
                             messages=int(half * 8 if not args.quick else count),
                             rate=half,
                             chunk=chunk,
+                            in_database=db,
                         )
                     )
             for key, runs in half_load.items():
@@ -1104,7 +1190,7 @@ def main(argv: list[str] | None = None) -> int:
                 listen=False,
                 interval=1,
             )
-            for key in ("lat_idle", "lat_half", "lat_half_50", "lat_poll"):
+            for key in ("lat_idle", *half_load, "lat_poll"):
                 if key in figures:
                     print(f"  {figures[key].name:<60} {figures[key].note}", flush=True)
 
