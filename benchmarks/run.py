@@ -1148,6 +1148,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             best = max(maxima, key=lambda c: maxima[c], default=None)
             sizes = [] if best is None else [best]
+            if best is None:
+                print(
+                    "  half load skipped: it is half the chunked group's maximum,"
+                    " measured in the same run (--only chunked,latency)",
+                    flush=True,
+                )
             if 50 in maxima and best != 50 and not args.quick:
                 sizes.append(50)
             # Each size with two kinds of producers: threads of this process
