@@ -322,6 +322,28 @@ def test_the_relay_declares_a_queue_no_worker_consumes_yet_over_rabbitmq(setup) 
                     conn.default_channel.queue_delete(name)
 
 
+def test_a_backlog_of_many_batches_drains_without_waiting_for_beat(setup) -> None:
+    """A claim of durable rows only that came back full claims again at once.
+
+    Before, such a round left the next claim to its runs' claim hints (one
+    per process every half second at most): once a round's runs all
+    finished within one half second, nothing claimed until beat's next
+    tick. Beat ticks once a minute here; 300 rows in batches of 20 must not
+    wait for it.
+    """
+    s = setup()
+    slow_beat = {"OUTBOX_CLAIM_INTERVAL_SECONDS": "60", "OUTBOX_BATCH_SIZE": "20"}
+    s.procs.beat(env=slow_beat)
+    s.worker(concurrency=2, **slow_beat)
+    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {f"b-{i}": write_durable(conn, None, effect.s(f"b-{i}"), {}) for i in range(300)}
+    ids = [r.id for r in results.values()]
+    # Drained by claims and their follow-ups alone: well inside beat's minute.
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=40, what=f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+
+
 def test_a_backlog_that_expired_is_sent_again_and_runs(setup) -> None:
     """Celery puts the id of an expired message on the worker's revoked list;
     the same id sent again under a new lease must still run."""
