@@ -72,6 +72,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 import outbox_relay
+from outbox_relay.config import Settings
 from outbox_relay.table import OutboxTable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1209,11 +1210,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _chunk_settings(chunk: int) -> dict[str, int]:
     """What a user sets beside OUTBOX_CHUNK_SIZE: a batch of 500 (two chunks
-    at least), and above 256 the publish concurrency the start-up error
+    at least), and only where the start-up check refuses the chunk at the
+    default publish concurrency (above 1,024), the concurrency its error
     suggests (OUTBOX_PUBLISH_CONCURRENCY=ceil(chunk / 4): four waves of the
     default 10 s publish timeout fit in 80% of the default 60 s lease)."""
     settings = {"batch_size": max(500, 2 * chunk)}
-    if chunk > 256:
+    if chunk > 4 * Settings().publish_concurrency:
         settings["publish_concurrency"] = -(-chunk // 4)
     return settings
 

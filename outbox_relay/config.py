@@ -474,9 +474,13 @@ class Settings(ProducerSettings):
     # Fan-out tasks expire before their lease ends, so this many must drain
     # within one lease; keep it a few batches deep.
     max_in_flight: int = 1_000
-    # Threads publishing one chunk: chunks up to 64 rows go out in one wave,
-    # and with the default lease and publish timeout chunks up to 256 fit.
-    publish_concurrency: int = 64
+    # Threads publishing one chunk: chunks up to 256 rows go out in one wave,
+    # and with the default lease and publish timeout chunks up to 1,024 fit.
+    # A chunk waits for its slowest publish once per wave: at 64, chunks of
+    # 200 with 20 ms publishes took four waves and did 8,100 a second on 4
+    # processes, in one wave 13,300 to 14,400 (docs/benchmarks.md item 25).
+    # Threads start only for a publisher that is slow (see Deliverer).
+    publish_concurrency: int = 256
     idempotency_key_prefix: str = "outbox-"
     queue: str = "outbox"
     listen: bool = True

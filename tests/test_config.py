@@ -73,7 +73,13 @@ _FIELDS = {
 
 def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
     with pytest.raises(ConfigError) as caught:
-        Settings(chunk_size=400, batch_size=400, lease_seconds=10, publish_timeout_seconds=2)
+        Settings(
+            chunk_size=400,
+            batch_size=400,
+            lease_seconds=10,
+            publish_timeout_seconds=2,
+            publish_concurrency=64,
+        )
     text = str(caught.value)
     # ceil(400 / 64) = 7 waves x 2 s = 14 s > 10 s
     assert "14s" in text and "7 waves" in text
@@ -89,12 +95,19 @@ def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
 @pytest.mark.parametrize(
     "settings",
     [
-        {"chunk_size": 400, "batch_size": 400, "lease_seconds": 10, "publish_timeout_seconds": 2},
+        {
+            "chunk_size": 400,
+            "batch_size": 400,
+            "lease_seconds": 10,
+            "publish_timeout_seconds": 2,
+            "publish_concurrency": 64,
+        },
         # The default publish timeout (10 s) fills the whole lease: no chunk
         # size or concurrency can help, and none is offered.
         {"chunk_size": 200, "lease_seconds": 10},
-        {"chunk_size": 500, "batch_size": 1000},
-        {"chunk_size": 1000, "batch_size": 1000, "publish_timeout_seconds": 5},
+        {"chunk_size": 500, "batch_size": 1000, "publish_concurrency": 64},
+        {"chunk_size": 2000, "batch_size": 2000},  # 8 waves of the default 256
+        {"chunk_size": 1000, "batch_size": 1000, "publish_timeout_seconds": 20},
         {"lease_seconds": 5},  # per-message: the publish timeout alone
     ],
 )

@@ -74,7 +74,6 @@ def test_the_claim_task_sends_a_chunk_for_every_pool_process(dsn: str) -> None:
             publisher="tests.apps.recording:publish",
             chunk_size=500,
             batch_size=1000,
-            publish_concurrency=125,  # what the start-up check asks of chunks of 500
             queue=queue,
         )
         inst.concurrency = concurrency  # what a worker records at start
