@@ -19,6 +19,11 @@ def wait20ms(message: Message) -> None:
     time.sleep(0.02)
 
 
+def wait1ms(message: Message) -> None:
+    """Stand-in for a receiver that answers in 1 ms (a broker with publisher confirms)."""
+    time.sleep(0.001)
+
+
 async def wait20ms_async(message: Message) -> None:
     """The same receiver awaited (an ``httpx.AsyncClient``, say), as pgqueuer's jobs wait."""
     await asyncio.sleep(0.02)

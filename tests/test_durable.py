@@ -329,10 +329,15 @@ def test_a_backlog_of_many_batches_drains_without_waiting_for_beat(setup) -> Non
     per process every half second at most): once a round's runs all
     finished within one half second, nothing claimed until beat's next
     tick. Beat ticks once a minute here; 300 rows in batches of 20 must not
-    wait for it.
+    wait for it. The in-flight cap of one batch keeps the queue shorter than
+    the messages' expiry (these tasks' lease is a few seconds) on a busy host.
     """
     s = setup()
-    slow_beat = {"OUTBOX_CLAIM_INTERVAL_SECONDS": "60", "OUTBOX_BATCH_SIZE": "20"}
+    slow_beat = {
+        "OUTBOX_CLAIM_INTERVAL_SECONDS": "60",
+        "OUTBOX_BATCH_SIZE": "20",
+        "OUTBOX_MAX_IN_FLIGHT": "20",
+    }
     s.procs.beat(env=slow_beat)
     s.worker(concurrency=2, **slow_beat)
     time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain

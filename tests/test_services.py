@@ -512,3 +512,50 @@ def test_an_awaitable_returned_by_a_plain_publisher_is_awaited_not_dropped(
     finally:
         deliverer.close()
     assert sorted(published) == sorted(m.id for m in claimed)
+
+
+def test_a_chunk_starts_as_many_threads_as_the_publishers_pace_needs(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Threads follow the publisher's pace: a few for a publisher of about a
+    millisecond (each costs a hand-off, and a connection for one that holds
+    them), and the rest as soon as it slows down."""
+    pause = [0.001]
+    publishing: set[str] = set()
+
+    def publish(message: Message) -> None:
+        publishing.add(threading.current_thread().name)
+        time.sleep(pause[0])
+
+    deliverer = Deliverer(publish, db=DirectDatabase(conn), publish_timeout=1, concurrency=64)
+
+    def chunk(n: int) -> int:
+        """Publish a chunk of ``n``; how many threads published in it."""
+        publishing.clear()
+        seed(conn, n)
+        claimed = store.claim(conn, owner="w", batch=n, lease=LEASE)
+        assert deliverer.deliver([m.ref for m in claimed]).done == n
+        return len(publishing)
+
+    try:
+        chunk(60)  # the pace unknown: every thread; the deliverer learns it
+        # About 1 ms a publish (more where sleeps overshoot): 60 rows are all
+        # under way within half of RAMP_SECONDS from about 6 threads (7 here;
+        # with every thread started, 30 to 33 of them published).
+        assert chunk(60) <= 15
+        # The receiver slows down to 50 ms: the rows are not all taken within
+        # RAMP_SECONDS, and the rest of the threads join.
+        pause[0] = 0.05
+        assert chunk(60) > 30
+    finally:
+        deliverer.close()
+
+
+def test_threads_at_once_follow_the_pace() -> None:
+    from outbox_relay.services.deliverer import RAMP_SECONDS, threads_at_once
+
+    assert threads_at_once(None, 200, 200) == 200  # the pace unknown
+    assert threads_at_once(0.00001, 50, 50) == 1  # a fast publisher: one thread
+    assert threads_at_once(0.001, 200, 200) == 20  # under way within half the ramp
+    assert threads_at_once(RAMP_SECONDS, 200, 200) == 200  # one wave
+    assert threads_at_once(0.5, 500, 256) == 256  # capped by the concurrency

@@ -55,7 +55,12 @@ def test_receiver_down_then_back_without_a_thundering_herd(
         fresh_database,
         tmp_path,
         broker=owned_redis.url,
-        env={"OUTBOX_MAX_ATTEMPTS": "12", "OUTBOX_BACKOFF_CAP_SECONDS": "8"},
+        # Attempts enough to outlast the outage: full jitter can draw eleven
+        # short delays in a row, and with 12 attempts one message in about
+        # 340 had used them all within 20 s (a simulation of the delays
+        # alone; one of 400 went dead in a CI run of 2026-12-05). With 20,
+        # fewer than one in a million do.
+        env={"OUTBOX_MAX_ATTEMPTS": "20", "OUTBOX_BACKOFF_CAP_SECONDS": "8"},
     )
     try:
         run.workers(1)
