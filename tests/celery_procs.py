@@ -171,9 +171,17 @@ class CeleryProcs:
 
 
 def wait_for(
-    check: Callable[[], Any], *, timeout: float, interval: float = 0.2, what: str = "condition"
+    check: Callable[[], Any],
+    *,
+    timeout: float,
+    interval: float = 0.2,
+    what: str | Callable[[], str] = "condition",
 ) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout``."""
+    """Poll ``check`` until it returns something truthy; fail after ``timeout``.
+
+    ``what`` may be a function, called only on failure: the processes' logs
+    as they are when the wait ends, not as they were when it began.
+    """
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -181,7 +189,8 @@ def wait_for(
         if last:
             return last
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    said = what() if callable(what) else what
+    raise AssertionError(f"timed out after {timeout}s waiting for {said} (last: {last!r})")
 
 
 def pool_pids(worker: Proc) -> set[int]:

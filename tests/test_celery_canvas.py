@@ -120,7 +120,7 @@ def _wait_steps(dsn: str, count: int, *tags: str, procs: Any, timeout: float = 9
     wait_for(
         lambda: len(_steps(dsn, *tags)) >= count,
         timeout=timeout,
-        what=f"{count} run(s) of {tags}\n{procs.logs()}",
+        what=lambda: f"{count} run(s) of {tags}\n{procs.logs()}",
     )
     time.sleep(1.5)  # anything that would run twice has had time to
     return _steps(dsn, *tags)
@@ -276,7 +276,7 @@ def test_flower_sees_the_outbox_row_never_the_arguments(canvas_dsn: str, relay: 
                 else []
             ),
             timeout=90,
-            what=f"both tasks received\n{procs.logs()}",
+            what=lambda: f"both tasks received\n{procs.logs()}",
         )
     [(row_id, *_rest)] = _canvas_rows(canvas_dsn)
     assert sorted(e["name"] for e in received) == ["canvas.step", "canvas.step"]

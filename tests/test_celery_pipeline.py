@@ -213,7 +213,7 @@ def test_a_task_or_signature_publisher_is_sent_not_run_inline(pipeline_dsn, proc
     wait_for(
         lambda: _rows(pipeline_dsn, "SELECT 1 FROM runs"),
         timeout=60,
-        what=f"the task ran\n{p.logs()}",
+        what=lambda: f"the task ran\n{p.logs()}",
     )
     wait_for(lambda: _status(pipeline_dsn, message_id) == "done", timeout=30, what="done")
     [(n, tag, task_id, pid, hostname, is_eager, routing_key)] = _rows(

@@ -262,13 +262,13 @@ def test_a_worker_killed_mid_body_loses_no_task(setup, ack_emulation: str) -> No
     wait_for(
         lambda: len(_rows(s.dsn, "SELECT 1 FROM runs")) >= 2,
         timeout=60,
-        what=f"two bodies running\n{s.logs()}",
+        what=lambda: f"two bodies running\n{s.logs()}",
     )
     w1.kill(signal.SIGKILL)  # the worker and its pool, mid-body
     w1.popen.wait(10)
     s.worker()
     ids = [r.id for r in results.values()]
-    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=f"all done\n{s.logs()}")
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=lambda: f"all done\n{s.logs()}")
     _assert_once_each(s.dsn, results)
     assert any(len(_runs(s.dsn, key)) >= 2 for key in results)  # a killed run was re-run
 
@@ -279,11 +279,11 @@ def test_a_broker_that_forgets_its_queue_loses_no_task(setup, owned_redis) -> No
     s.worker(s.relay_queue)  # the relay only: the tasks wait in their queue
     results = {f"flush-{i}": _write(s.dsn, effect.s(f"flush-{i}")) for i in range(5)}
     client = owned_redis.client()
-    wait_for(lambda: client.llen(s.queue) == 5, timeout=60, what=f"5 queued\n{s.logs()}")
+    wait_for(lambda: client.llen(s.queue) == 5, timeout=60, what=lambda: f"5 queued\n{s.logs()}")
     client.flushall()
     s.worker(s.queue)
     ids = [r.id for r in results.values()]
-    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=f"all done\n{s.logs()}")
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=lambda: f"all done\n{s.logs()}")
     _assert_once_each(s.dsn, results)
 
 
@@ -309,10 +309,10 @@ def test_the_relay_declares_a_queue_no_worker_consumes_yet_over_rabbitmq(setup) 
                 except Exception:  # not declared (yet)
                     return 0
 
-        wait_for(lambda: waiting() == 5, timeout=60, what=f"5 queued\n{s.logs()}")
+        wait_for(lambda: waiting() == 5, timeout=60, what=lambda: f"5 queued\n{s.logs()}")
         s.worker(s.queue)
         ids = [r.id for r in results.values()]
-        wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=f"all done\n{s.logs()}")
+        wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=lambda: f"all done\n{s.logs()}")
         _assert_once_each(s.dsn, results)
     finally:
         s.procs.stop_all()
@@ -345,7 +345,7 @@ def test_a_backlog_of_many_batches_drains_without_waiting_for_beat(setup) -> Non
         results = {f"b-{i}": write_durable(conn, None, effect.s(f"b-{i}"), {}) for i in range(300)}
     ids = [r.id for r in results.values()]
     # Drained by claims and their follow-ups alone: well inside beat's minute.
-    wait_for(lambda: _all_done(s.dsn, ids), timeout=40, what=f"all done\n{s.logs()}")
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=40, what=lambda: f"all done\n{s.logs()}")
     _assert_once_each(s.dsn, results)
 
 
@@ -365,7 +365,7 @@ def test_a_backlog_that_expired_is_sent_again_and_runs(setup) -> None:
     time.sleep(LEASE)  # past the messages' expiry (lease minus the begin margin)
     consumer = s.worker(s.queue)
     ids = [r.id for r in results.values()]
-    wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=f"all done\n{s.logs()}")
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=lambda: f"all done\n{s.logs()}")
     _assert_once_each(s.dsn, results)
     # The row is done before the worker logs the task's success.
     wait_for(
@@ -399,7 +399,9 @@ def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
         row = _row(s.dsn, retried.id)
         return row if row["status"] == "pending" and row["attempts"] == 1 else None
 
-    row = wait_for(first_failure, timeout=60, interval=0.05, what=f"rescheduled\n{s.logs()}")
+    row = wait_for(
+        first_failure, timeout=60, interval=0.05, what=lambda: f"rescheduled\n{s.logs()}"
+    )
     assert "Flaky: run of flaky fails" in row["last_error"]
     assert timedelta(0) < row["available_at"] - row["now"] <= timedelta(seconds=2)
 
@@ -407,7 +409,7 @@ def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
     wait_for(
         lambda: all(_row(s.dsn, t)["status"] in ("done", "dead") for t in ids),
         timeout=90,
-        what=f"finished\n{s.logs()}",
+        what=lambda: f"finished\n{s.logs()}",
     )
     done = _row(s.dsn, retried.id)
     assert (done["status"], done["attempts"]) == ("done", 3)
@@ -443,7 +445,9 @@ def test_a_body_that_kills_its_worker_ends_dead_after_its_own_max_retries(setup)
     s.worker()
     result = _write(s.dsn, poison.s("poison"))  # max_retries=1: two attempts
     wait_for(
-        lambda: _row(s.dsn, result.id)["status"] == "dead", timeout=90, what=f"dead\n{s.logs()}"
+        lambda: _row(s.dsn, result.id)["status"] == "dead",
+        timeout=90,
+        what=lambda: f"dead\n{s.logs()}",
     )
     row = _row(s.dsn, result.id)
     assert row["attempts"] == 2
@@ -457,14 +461,14 @@ def test_a_frozen_worker_past_its_lease_leaves_one_effect(setup) -> None:
     s.beat()
     frozen = s.worker(concurrency=1)
     result = _write(s.dsn, effect.s("frozen", sleep=LEASE * 2))
-    wait_for(lambda: _runs(s.dsn, "frozen"), timeout=60, what=f"the body runs\n{s.logs()}")
+    wait_for(lambda: _runs(s.dsn, "frozen"), timeout=60, what=lambda: f"the body runs\n{s.logs()}")
     frozen.kill(signal.SIGSTOP)  # no renewals: its lease lapses, the relay re-sends
     try:
         s.worker()
         wait_for(
             lambda: _row(s.dsn, result.id)["status"] == "done",
             timeout=90,
-            what=f"done by the other worker\n{s.logs()}",
+            what=lambda: f"done by the other worker\n{s.logs()}",
         )
     finally:
         frozen.kill(signal.SIGCONT)
@@ -523,7 +527,7 @@ def test_flower_sees_the_row_never_the_arguments(setup) -> None:
         received = wait_for(
             lambda: [e for e in tap.of_type("task-received") if e.get("uuid") == result.id],
             timeout=60,
-            what=f"task-received\n{s.logs()}",
+            what=lambda: f"task-received\n{s.logs()}",
         )
     row = _row(s.dsn, result.id)
     assert received[0]["name"] == "durable.effect"
@@ -545,7 +549,7 @@ def test_a_chain_runs_each_step_after_the_previous_committed(setup) -> None:
     wait_for(
         lambda: len(_effects(s.dsn, "chain")) == 2 and len(_effects(s.dsn, "tail")) == 2,
         timeout=90,
-        what=f"both chains ran\n{s.logs()}",
+        what=lambda: f"both chains ran\n{s.logs()}",
     )
     wait_for(lambda: _all_done(s.dsn, [first_id, second_id, handoff.id]), timeout=30)
     effects = dict((value, task_id) for task_id, value in _effects(s.dsn, "chain"))
