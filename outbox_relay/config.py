@@ -478,7 +478,7 @@ class Settings(ProducerSettings):
     # and with the default lease and publish timeout chunks up to 1,024 fit.
     # A chunk waits for its slowest publish once per wave: at 64, chunks of
     # 200 with 20 ms publishes took four waves and did 8,100 a second on 4
-    # processes, in one wave 13,300 to 14,400 (docs/benchmarks.md item 25).
+    # processes, in one wave 13,300 to 14,400 (docs/benchmarks.md item 26).
     # A chunk starts only the threads its publisher's pace needs (threads_at_once).
     publish_concurrency: int = 256
     idempotency_key_prefix: str = "outbox-"

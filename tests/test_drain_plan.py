@@ -37,6 +37,16 @@ def test_under_a_tight_cap_the_claim_waits_for_finished_rows() -> None:
     assert drain_plan(1, prefetched=16, tight=True) == DrainPlan(marked=0, when="end")
 
 
+def test_a_round_of_durable_tasks_only_queues_its_claim_among_them() -> None:
+    # A durable task is the user's: it cannot send the claim. Durable tasks
+    # are sent after the delivery tasks, so a mixed round's claim still rides
+    # on a delivery task; the end-to-end drain is in tests/test_durable.py.
+    assert drain_plan(0, prefetched=16, tight=False, durable=200) == DrainPlan(queued_at=100)
+    assert drain_plan(0, prefetched=16, tight=True, durable=1) == DrainPlan(queued_at=0)
+    assert drain_plan(4, prefetched=16, tight=False, durable=200) == DrainPlan(marked=2)
+    assert drain_plan(0, prefetched=16, tight=False) == DrainPlan()
+
+
 def test_a_chunk_is_small_enough_for_every_pool_process_to_hold_one() -> None:
     # OUTBOX_CHUNK_SIZE is the most a task takes: chunks of 500 under the
     # default cap of 1,000 would let two of four processes work and two idle.

@@ -34,6 +34,7 @@ from outbox_relay import (
 from outbox_relay.db import PoolDatabase
 from outbox_relay.model import Outcome
 from outbox_relay.publishers.routing import Router
+from outbox_relay.services.deliverer import RAMP_SECONDS, threads_at_once
 from outbox_relay.store._base import queries
 
 LEASE = timedelta(seconds=30)
@@ -552,8 +553,6 @@ def test_a_chunk_starts_as_many_threads_as_the_publishers_pace_needs(
 
 
 def test_threads_at_once_follow_the_pace() -> None:
-    from outbox_relay.services.deliverer import RAMP_SECONDS, threads_at_once
-
     assert threads_at_once(None, 200, 200) == 200  # the pace unknown
     assert threads_at_once(0.00001, 50, 50) == 1  # a fast publisher: one thread
     assert threads_at_once(0.001, 200, 200) == 20  # under way within half the ramp

@@ -110,13 +110,21 @@ class DrainPlan:
     when: str = "start"
 
 
-def drain_plan(tasks: int, *, prefetched: int, tight: bool) -> DrainPlan:
-    """The placement ``fan_out`` explains, for a round of ``tasks`` delivery tasks.
+def drain_plan(tasks: int, *, prefetched: int, tight: bool, durable: int = 0) -> DrainPlan:
+    """The placement ``fan_out`` explains, for a round of ``tasks`` delivery
+    tasks sent before ``durable`` durable tasks.
 
     ``prefetched``: what one worker takes from the queue ahead of time (0:
     unknown, Celery's default multiplier of 4 per CPU is assumed); ``tight``:
-    only finished rows make room for the next claim.
+    only finished rows make room for the next claim. A durable task is the
+    user's and cannot carry the claim: a round of durable tasks only queues
+    it among them. (Left to the finished runs' claim hints, at most one per
+    process every half second, the drain stopped whenever a round's runs
+    all finished within one such half second, until beat's next tick:
+    bursts of 200 rows every 5 s on a host that runs 1,000 a second.)
     """
+    if tasks == 0:
+        return DrainPlan(queued_at=durable // 2) if durable else DrainPlan()
     halfway = tasks // 2
     window = prefetched or 4 * (os.cpu_count() or 1)
     if not tight and tasks > 2 * window:
@@ -188,17 +196,9 @@ def fan_out(
     sends = DurableSends()
     cap = settings.max_in_flight
     tight = capped or (cap is not None and cap < 2 * settings.batch_size)
-    plan = drain_plan(len(plain_chunks), prefetched=prefetched, tight=tight)
+    plan = drain_plan(len(plain_chunks), prefetched=prefetched, tight=tight, durable=len(durable))
     if follow_up is None:
         plan = DrainPlan()
-    elif not plain_chunks:
-        # A round of durable rows only has no delivery task to carry the next
-        # claim: it is queued as a task of its own, among the sends. Left to
-        # the finished runs' claim hints (at most one per process every half
-        # second), the drain stopped whenever a round's runs all finished
-        # within one such half second, until beat's next tick: bursts of 200
-        # rows every 5 s on a host that runs 1,000 a second.
-        plan = DrainPlan(queued_at=len(chunks) // 2)
     expires = max(1.0, settings.lease_seconds - settings.worst_delivery_seconds)
     soft_limit, hard_limit = time_limits(settings)
     common: dict[str, Any] = {"expires": expires, "serializer": "json"}
