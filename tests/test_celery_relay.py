@@ -173,6 +173,54 @@ def test_chunked_mode_over_rabbitmq(recorded_dsn, amqp_broker, procs_factory):
     assert "outbox_relay.deliver_batch" in procs.procs[0].text()
 
 
+def test_the_broker_publisher_with_defaults_publishes_to_the_relays_own_rabbitmq(
+    recorded_dsn, amqp_broker, procs_factory
+):
+    # A team whose Celery broker is RabbitMQ points OUTBOX_PUBLISHER at the
+    # same vhost and changes nothing else: the relay's queue is "outbox", the
+    # publisher's exchange is "outbox" (topic). When Celery named the queue's
+    # exchange after the queue (direct), one of the two declarations was
+    # refused (PRECONDITION_FAILED) and nothing was ever published.
+    from kombu import Connection, Exchange, Queue
+
+    events = Exchange("outbox", type="topic", durable=True)
+    billing = Queue("test-defaults-billing", events, routing_key="order.#", durable=False)
+
+    def delete_entities() -> None:
+        with Connection(amqp_broker, connect_timeout=5) as conn:
+            for delete in (
+                lambda ch: ch.queue_delete(billing.name),
+                lambda ch: ch.exchange_delete("outbox"),  # an older relay declared it direct
+            ):
+                with contextlib.suppress(Exception):
+                    delete(conn.channel())
+
+    delete_entities()
+    try:
+        # The consumer is there first, as it would be; then the relay starts.
+        with Connection(amqp_broker, connect_timeout=5) as conn:
+            billing(conn.channel()).declare()
+        procs = procs_factory(recorded_dsn, amqp_broker, publisher=amqp_broker)
+        procs.worker(concurrency=2)
+        procs.worker(concurrency=2, args=("-Q", "outbox"))  # the operator names the queue
+        procs.beat()
+        ids = enqueue_orders(recorded_dsn, 200)
+        wait_for(
+            lambda: all_done(recorded_dsn, 200),
+            timeout=60,
+            what=lambda: f"200 messages done: {counts(recorded_dsn)}\n{procs.logs()}",
+        )
+        assert counts(recorded_dsn) == {"done": 200}
+        received: list[str] = []
+        with Connection(amqp_broker, connect_timeout=5) as conn:
+            channel = conn.channel()
+            while (message := billing(channel).get(no_ack=True)) is not None:
+                received.append(message.properties["message_id"])
+        assert sorted(received) == sorted(f"outbox-{i}" for i in ids)
+    finally:
+        delete_entities()
+
+
 def test_a_coroutine_publisher_delivers_chunks_in_a_real_worker(
     recorded_dsn, redis_broker, procs_factory
 ):

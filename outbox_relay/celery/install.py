@@ -17,8 +17,10 @@ replaced in ``app.conf`` by ``Secret`` values that print masked
 from __future__ import annotations
 
 import logging
+from contextlib import suppress
 from typing import Any
 
+import kombu.entity
 from celery import signals
 
 from .. import _defaults
@@ -33,6 +35,10 @@ from .tasks import register_tasks
 __all__ = ["install"]
 
 log = logging.getLogger("outbox_relay.celery")
+
+# kombu is untyped.
+_Exchange: Any = kombu.entity.Exchange
+_Queue: Any = kombu.entity.Queue
 
 _PRODUCER_FIELDS = frozenset(ProducerSettings.field_names())
 
@@ -107,6 +113,45 @@ def _hide_secrets(app: Any) -> None:
     signals.import_modules.connect(on_import_modules, weak=False)
 
 
+def relay_queue_entity(app: Any, name: str) -> Any:
+    """The relay's queue ``name`` in ``app.amqp.queues``, bound to ``RELAY_EXCHANGE``.
+
+    Made here, not by Celery on first use, so that sends, ``-Q`` and the
+    worker's consumer all see the same exchange (names.RELAY_EXCHANGE says
+    why it is not Celery's own choice). A queue of that name in the app's
+    ``task_queues`` is the user's and is kept as it is.
+    """
+    queues = app.amqp.queues
+    present = queues.get(name)  # get(): no KeyError, and no queue made by Celery
+    if present is not None:
+        exchange = getattr(present.exchange, "name", None)
+        if exchange == names.RELAY_EXCHANGE or name in _declared_queues(app):
+            return present
+    # Celery's own missing queue, for its arguments (task_create_missing_queue_type).
+    made = queues.new_missing(name)
+    return queues.add(
+        _Queue(
+            name,
+            _Exchange(names.RELAY_EXCHANGE, type="direct"),
+            routing_key=name,
+            queue_arguments=made.queue_arguments,
+        )
+    )
+
+
+def _own_queue(app: Any, inst: Installation, queue: str) -> Any:
+    """``queue`` as the worker should consume it: the relay's entity when it
+    is ``OUTBOX_QUEUE``; a queue the user's own route names stays theirs."""
+    return relay_queue_entity(app, queue) if queue == inst.settings.queue else queue
+
+
+def _declared_queues(app: Any) -> set[str]:
+    declared = app.conf.task_queues or ()
+    if isinstance(declared, dict):
+        return set(declared)
+    return {str(getattr(q, "name", q)) for q in declared}
+
+
 def _add_route(app: Any, inst: Installation) -> None:
     """Route relay tasks to OUTBOX_QUEUE, after the user's own ``task_routes``.
 
@@ -117,7 +162,7 @@ def _add_route(app: Any, inst: Installation) -> None:
 
     def route(name: str, *args: Any, **kwargs: Any) -> dict[str, str] | None:
         if name.startswith("outbox_relay."):
-            return {"queue": inst.settings.queue}
+            return {"queue": relay_queue_entity(app, inst.settings.queue)}
         return None
 
     routes = app.conf.task_routes
@@ -194,6 +239,10 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
             # -Q given on the command line: the operator decides what this
             # worker consumes, so the relay adds no queue of its own.
             inst.explicit_queues = bool((options or {}).get("queues"))
+            # Before the worker reads -Q: "-Q outbox" must find the relay's
+            # queue, not make one bound to an exchange named after it.
+            with suppress(ConfigError):  # reported at start (after_setup, the worker step)
+                _own_queue(app, inst, inst.relay_queue())
 
     def after_setup(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
         if instance is None or instance.app is not app:
@@ -208,7 +257,7 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
                 # Reported, in one line, by the worker step at start.
                 inst.config_error = exc
                 return
-            instance.app.amqp.queues.select_add(queue)
+            instance.app.amqp.queues.select_add(_own_queue(app, inst, queue))
 
     def process_init(**kwargs: Any) -> None:
         inst.reset()  # a forked child must not reuse the parent's sockets

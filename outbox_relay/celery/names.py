@@ -11,6 +11,7 @@ __all__ = [
     "DELIVER_BATCH",
     "PURGE",
     "PURGE_EVERY_SECONDS",
+    "RELAY_EXCHANGE",
     "RESCUE",
 ]
 
@@ -24,3 +25,10 @@ BEAT_CLAIM = "outbox-relay-claim"
 BEAT_RESCUE = "outbox-relay-rescue"
 BEAT_PURGE = "outbox-relay-purge"
 PURGE_EVERY_SECONDS = 3600.0
+
+# The exchange the relay's queue is bound to. Celery would name it after the
+# queue ("outbox", type direct), and the broker publisher's default exchange
+# is "outbox" of type topic: on one RabbitMQ vhost (the relay's broker and
+# the publisher's target) the second declaration was refused
+# (PRECONDITION_FAILED) and no message was ever published.
+RELAY_EXCHANGE = "outbox_relay"
