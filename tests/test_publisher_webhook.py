@@ -63,6 +63,7 @@ class Server:
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[Request] = []
+        self.connections = 0  # TCP connections accepted
         self.scripts: dict[str, deque[Action]] = defaultdict(deque)
         self.lock = threading.Lock()
         server = self
@@ -72,6 +73,11 @@ class Server:
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with server.lock:
+                    server.connections += 1
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
@@ -95,7 +101,10 @@ class Server:
                 self.end_headers()
                 self.wfile.write(action.body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Listener(ThreadingHTTPServer):
+            request_queue_size = 128  # a chunk's threads connect at once
+
+        self.httpd = Listener(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         if tls is not None:
             self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
@@ -321,19 +330,26 @@ def test_envelope_operation_key_and_header_safety(conn: psycopg.Connection, serv
     assert requests[0].body == requests[1].body
 
 
+def _deliverer(
+    conn: psycopg.Connection, publisher: WebhookPublisher, concurrency: int
+) -> outbox_relay.Deliverer:
+    """The Celery path's deliverer, on this test's connection."""
+    return outbox_relay.Deliverer(
+        publisher,
+        db=outbox_relay.DirectDatabase(conn),
+        policy=NO_BACKOFF,
+        publish_timeout=publisher.timeout_seconds,
+        concurrency=concurrency,
+    )
+
+
 def test_chunk_delivery_through_the_deliverer(conn: psycopg.Connection, server: Server) -> None:
     """The Celery path: claim, then Deliverer.deliver publishes a chunk concurrently."""
     ids = [_enqueue(conn, f"agg-{i}") for i in range(12)]
     server.script("agg-3", Action(400))
     server.script("agg-5", Action(503))
     publisher = WebhookPublisher(server.url, secret=SECRET, **FAST)
-    relay = outbox_relay.Deliverer(
-        publisher,
-        db=outbox_relay.DirectDatabase(conn),
-        policy=NO_BACKOFF,
-        publish_timeout=publisher.timeout_seconds,
-        concurrency=6,
-    )
+    relay = _deliverer(conn, publisher, concurrency=6)
     try:
         claimed = outbox_relay.claim(conn, owner="w1", batch=50, lease=timedelta(seconds=30))
         report = relay.deliver([c.ref for c in claimed])
@@ -343,6 +359,36 @@ def test_chunk_delivery_through_the_deliverer(conn: psycopg.Connection, server: 
     statuses = {i: _row(conn, i)["status"] for i in ids}
     assert statuses[ids[3]] == "dead" and statuses[ids[5]] == "pending"
     assert len(server.requests) == 12
+
+
+def test_chunks_reuse_each_publishing_threads_connection(
+    conn: psycopg.Connection, server: Server
+) -> None:
+    # A receiver slower than the ramp: every chunk publishes from all its
+    # threads at once. Each thread keeps its connection for the next chunk
+    # (with one client shared by the threads, 32 were kept and every later
+    # chunk opened the rest again: 80 connections here, and a TLS handshake
+    # each in production).
+    threads, chunks = 48, 3
+    for i in range(threads * chunks):
+        _enqueue(conn, f"slow-{i}")
+        server.script(f"slow-{i}", Action(delay=0.03))
+    publisher = WebhookPublisher(server.url, secret=SECRET, **FAST)
+    relay = _deliverer(conn, publisher, concurrency=threads)
+    done = 0
+    try:
+        for _ in range(chunks):
+            claimed = outbox_relay.claim(
+                conn, owner="w1", batch=threads, lease=timedelta(seconds=30)
+            )
+            done += relay.deliver([c.ref for c in claimed]).done
+    finally:
+        relay.close()
+        publisher.close()
+    assert done == threads * chunks
+    assert len(server.requests) == threads * chunks
+    # One connection per thread (and the task's own thread, which may publish inline).
+    assert server.connections <= threads + 1, server.connections
 
 
 def test_refused_connection_is_retryable(conn: psycopg.Connection) -> None:

@@ -25,7 +25,8 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any
@@ -300,7 +301,7 @@ class WebhookPublisher:
         _REDACT.register({url, str(target)})
         _install_redaction()
         self._user_agent = _user_agent()
-        self._client = PerProcess(self._build_client)
+        self._client = PerProcess(lambda: _ThreadClients(self._build_client, self._tls()))
         self._warn_if_insecure(parts)
 
     def _warn_if_insecure(self, parts: urllib.parse.SplitResult) -> None:
@@ -399,7 +400,14 @@ class WebhookPublisher:
         return publisher
 
     # --------------------------------------------------------------- client
-    def _build_client(self) -> httpx.Client:
+    def _tls(self) -> ssl.SSLContext:
+        """This process's TLS context, shared by its clients: building one
+        (loading the CA bundle) takes about 20 ms, reusing it nothing."""
+        if isinstance(self._verify, ssl.SSLContext):
+            return self._verify
+        return httpx.create_ssl_context(verify=self._verify, trust_env=self._trust_env)
+
+    def _build_client(self, tls: ssl.SSLContext) -> httpx.Client:
         return httpx.Client(
             timeout=httpx.Timeout(
                 connect=self.connect_timeout,
@@ -408,18 +416,19 @@ class WebhookPublisher:
                 # No connection cap, so no wait for a free connection either.
                 pool=None,
             ),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-            verify=self._verify,
+            # One thread's client: it sends one request at a time.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1),
+            verify=tls,
             auth=self._auth,
             follow_redirects=False,
             trust_env=self._trust_env,
         )
 
     def close(self) -> None:
-        """Close this process's connection pool (a new one is built on next use)."""
-        client = self._client.reset()
-        if client is not None:
-            client.close()
+        """Close this process's clients (new ones are built on next use)."""
+        clients = self._client.reset()
+        if clients is not None:
+            clients.close()
 
     # -------------------------------------------------------------- request
     def body(self, message: Message) -> bytes:
@@ -474,7 +483,7 @@ class WebhookPublisher:
         body = self.body(message)
         headers = self.headers(message, body)
         deadline = time.monotonic() + self.timeout_seconds
-        client = self._client.get()
+        client = self._client.get().get()
         try:
             with client.stream("POST", self._target, content=body, headers=headers) as response:
                 status = response.status_code
@@ -548,3 +557,47 @@ class WebhookPublisher:
         if 400 <= status < 500:
             raise PermanentError(detail)
         raise RetryableError(f"{detail} (unexpected status)")
+
+
+class _ThreadClients:
+    """One HTTP client per publishing thread, in one process.
+
+    The relay publishes a chunk from up to ``publish_concurrency`` threads at
+    once. One client shared by all of them kept 32 idle connections, so with
+    a receiver slower than the 20 ms ramp every wave opened the rest again:
+    0.8 new TLS connections per message, 16,400 handshakes for 20,000
+    messages (docs/benchmarks.md item 28); with no cap on idle connections
+    its pool, scanned under one lock per request, halved the rate instead.
+    A client of its own per thread keeps that thread's connection, and no
+    thread waits on another's pool.
+    """
+
+    def __init__(
+        self, build: Callable[[ssl.SSLContext], httpx.Client], tls: ssl.SSLContext
+    ) -> None:
+        self._build = build
+        self._tls = tls
+        self._local = threading.local()
+        # Weak: a thread that ended took its client with it (closed, above).
+        self._all: weakref.WeakSet[httpx.Client] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def get(self) -> httpx.Client:
+        client: httpx.Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = self._build(self._tls)
+            self._local.client = client
+            with self._lock:
+                self._all.add(client)
+            # Closed when its thread is gone (a deliverer's pool shut down),
+            # not left to the garbage collector with its socket open.
+            weakref.finalize(threading.current_thread(), client.close)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self._all)
+            self._all = weakref.WeakSet()
+            self._local = threading.local()
+        for client in clients:
+            client.close()
