@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -26,6 +28,7 @@ from outbox_relay.errors import ConfigError
 from outbox_relay.publishers import BrokerPublisher, publisher_timeout, resolve_publisher
 
 from . import services
+from .chunks import deliver_chunks
 
 NO_BACKOFF = RetryPolicy(max_attempts=3, backoff_base=0.0)
 
@@ -251,6 +254,42 @@ def test_rabbitmq_connection_survives_a_fork(
         assert all(_row(conn, i)["status"] == "done" for i in ids.values())
     keys = sorted(m.delivery_info["routing_key"] for m in rabbit_queue.drain())
     assert keys == ["order.again", "order.child", "order.parent"]
+
+
+class _FarBroker(BrokerPublisher):
+    """A broker publisher that counts the connections it opens (real ones)
+    and waits 30 ms before each publish, as a broker far away would: every
+    row of a chunk then publishes at once, one thread (and link) each."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened = 0
+        self._count_lock = threading.Lock()
+
+    def _connect(self) -> Any:
+        with self._count_lock:
+            self.opened += 1
+        return super()._connect()
+
+    def __call__(self, message: Any) -> None:
+        time.sleep(0.03)
+        super().__call__(message)
+
+
+def test_rabbitmq_chunks_reuse_the_connections_of_the_chunk_before(
+    conn: psycopg.Connection, amqp_url: str, names: tuple[str, str], rabbit_queue: Bound
+) -> None:
+    # With at most 16 idle links kept, every chunk after the first opened
+    # (and closed) the rest again: 48 + 32 + 32 connections here.
+    threads, chunks = 48, 3
+    publisher = _FarBroker(amqp_url, exchange=names[0])
+    rabbit_queue.bound.bind_to(publisher.exchange, routing_key="order.#")
+    for i in range(threads * chunks):
+        _enqueue(conn, f"far-{i}")
+    assert deliver_chunks(conn, publisher, rows=threads, chunks=chunks) == threads * chunks
+    assert len(rabbit_queue.drain()) == threads * chunks
+    # One link per thread (and the task's own thread, which may publish inline).
+    assert publisher.opened <= threads + 1, publisher.opened
 
 
 def test_redis_as_a_target(conn: psycopg.Connection, names: tuple[str, str]) -> None:

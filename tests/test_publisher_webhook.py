@@ -39,6 +39,8 @@ from outbox_relay.publishers import (
     router_from_config,
 )
 
+from .chunks import deliver_chunks
+
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
@@ -374,18 +376,7 @@ def test_chunks_reuse_each_publishing_threads_connection(
         _enqueue(conn, f"slow-{i}")
         server.script(f"slow-{i}", Action(delay=0.03))
     publisher = WebhookPublisher(server.url, secret=SECRET, **FAST)
-    relay = _deliverer(conn, publisher, concurrency=threads)
-    done = 0
-    try:
-        for _ in range(chunks):
-            claimed = outbox_relay.claim(
-                conn, owner="w1", batch=threads, lease=timedelta(seconds=30)
-            )
-            done += relay.deliver([c.ref for c in claimed]).done
-    finally:
-        relay.close()
-        publisher.close()
-    assert done == threads * chunks
+    assert deliver_chunks(conn, publisher, rows=threads, chunks=chunks) == threads * chunks
     assert len(server.requests) == threads * chunks
     # One connection per thread (and the task's own thread, which may publish inline).
     assert server.connections <= threads + 1, server.connections

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from ssl import CERT_NONE, CERT_REQUIRED
@@ -50,9 +51,11 @@ log = logging.getLogger("outbox_relay.publishers.broker")
 
 BROKER_SCHEMES = ("amqp", "amqps", "redis", "rediss", "redis+socket")
 _AMQP_SCHEMES = ("amqp", "amqps")
-# Idle connections kept per process; the relay publishes from at most
-# ``publish_concurrency`` threads, so more than that are never reused.
-_MAX_IDLE = 16
+# How long an idle connection is kept. A chunk's publishing threads (up to
+# ``publish_concurrency``) take one each, and the next chunk takes them
+# again: a cap on idle connections below the thread count (it was 16) made
+# every chunk open and close the rest (docs/benchmarks.md item 29).
+_IDLE_SECONDS = 60.0
 # AMQP short strings (routing keys, exchange names) are at most 255 bytes.
 _MAX_SHORTSTR = 255
 
@@ -83,27 +86,36 @@ class _Link:
 
 
 class _Links:
-    """A small per-process pool of links: kombu channels are not thread-safe."""
+    """A per-process pool of links: kombu channels are not thread-safe.
+
+    Last in, first out, so the links a chunk's threads use are the ones
+    reused, and the others age out after ``_IDLE_SECONDS``.
+    """
 
     def __init__(self) -> None:
-        self._idle: list[_Link] = []
+        self._idle: list[tuple[float, _Link]] = []  # oldest first
         self._lock = threading.Lock()
 
     def take(self) -> _Link | None:
         with self._lock:
-            return self._idle.pop() if self._idle else None
+            return self._idle.pop()[1] if self._idle else None
 
     def give_back(self, link: _Link) -> None:
+        now = time.monotonic()
         with self._lock:
-            if len(self._idle) < _MAX_IDLE:
-                self._idle.append(link)
-                return
-        link.close()
+            self._idle.append((now, link))
+            stale = 0
+            while now - self._idle[stale][0] > _IDLE_SECONDS:
+                stale += 1
+            expired = [old for _, old in self._idle[:stale]]
+            del self._idle[:stale]
+        for old in expired:
+            old.close()
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for link in idle:
+        for _, link in idle:
             link.close()
 
 
