@@ -160,7 +160,7 @@ def _add_route(app: Any, inst: Installation) -> None:
     Celery's configure signal, which only logs.
     """
 
-    def route(name: str, *args: Any, **kwargs: Any) -> dict[str, str] | None:
+    def route(name: str, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
         if name.startswith("outbox_relay."):
             return {"queue": relay_queue_entity(app, inst.settings.queue)}
         return None

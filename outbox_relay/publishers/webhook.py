@@ -565,7 +565,7 @@ class _ThreadClients:
     The relay publishes a chunk from up to ``publish_concurrency`` threads at
     once. One client shared by all of them kept 32 idle connections, so with
     a receiver slower than the 20 ms ramp every wave opened the rest again:
-    0.8 new TLS connections per message, 16,400 handshakes for 20,000
+    0.8 new TLS connections per message, about 16,600 handshakes for 20,000
     messages (docs/benchmarks.md item 28); with no cap on idle connections
     its pool, scanned under one lock per request, halved the rate instead.
     A client of its own per thread keeps that thread's connection, and no
@@ -578,7 +578,8 @@ class _ThreadClients:
         self._build = build
         self._tls = tls
         self._local = threading.local()
-        # Weak: a thread that ended took its client with it (closed, above).
+        # Weak: a thread that ended took its client with it (get() has it
+        # closed when its thread is gone).
         self._all: weakref.WeakSet[httpx.Client] = weakref.WeakSet()
         self._lock = threading.Lock()
 
