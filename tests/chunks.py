@@ -11,9 +11,12 @@ import outbox_relay
 from outbox_relay import RetryPolicy
 
 
-def deliver_chunks(conn: psycopg.Connection[Any], publisher: Any, *, rows: int, chunks: int) -> int:
+def deliver_chunks(
+    conn: psycopg.Connection[Any], publisher: Any, *, rows: int, chunks: int, close: bool = True
+) -> int:
     """Claim and deliver ``chunks`` chunks of ``rows`` from as many threads
-    as rows; close the deliverer and the publisher; return how many are done."""
+    as rows; return how many are done. ``close``: close the publisher too
+    (the deliverer always; the publisher keeps its connections otherwise)."""
     relay = outbox_relay.Deliverer(
         publisher,
         db=outbox_relay.DirectDatabase(conn),
@@ -28,5 +31,6 @@ def deliver_chunks(conn: psycopg.Connection[Any], publisher: Any, *, rows: int, 
             done += relay.deliver([c.ref for c in claimed]).done
     finally:
         relay.close()
-        publisher.close()
+        if close:
+            publisher.close()
     return done

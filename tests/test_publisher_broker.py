@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -29,6 +30,7 @@ from outbox_relay.publishers import BrokerPublisher, publisher_timeout, resolve_
 
 from . import services
 from .chunks import deliver_chunks
+from .tcp_proxy import SilencingProxy
 
 NO_BACKOFF = RetryPolicy(max_attempts=3, backoff_base=0.0)
 
@@ -290,6 +292,31 @@ def test_rabbitmq_chunks_reuse_the_connections_of_the_chunk_before(
     assert len(rabbit_queue.drain()) == threads * chunks
     # One link per thread (and the task's own thread, which may publish inline).
     assert publisher.opened <= threads + 1, publisher.opened
+
+
+def test_rabbitmq_connections_closed_while_idle_cost_no_attempt(
+    conn: psycopg.Connection, amqp_url: str, names: tuple[str, str], rabbit_queue: Bound
+) -> None:
+    # A broker restart (here: a proxy that resets every connection) closes
+    # the connections the publisher keeps. Each publish that took one of them
+    # failed and spent its message's attempt: the whole next chunk was
+    # retried. Now a kept connection closed while idle is never used.
+    threads = 24
+    parts = urllib.parse.urlsplit(amqp_url)
+    proxy = SilencingProxy(target=(parts.hostname or "127.0.0.1", parts.port or 5672))
+    try:
+        netloc = f"{parts.username}:{parts.password}@127.0.0.1:{proxy.port}"
+        publisher = _FarBroker(parts._replace(netloc=netloc).geturl(), exchange=names[0])
+        rabbit_queue.bound.bind_to(publisher.exchange, routing_key="order.#")
+        ids = [_enqueue(conn, f"idle-{i}") for i in range(2 * threads)]
+        assert deliver_chunks(conn, publisher, rows=threads, chunks=1, close=False) == threads
+        proxy.cut()  # every kept connection reset, as by a restarting broker
+        proxy.restore()
+        assert deliver_chunks(conn, publisher, rows=threads, chunks=1) == threads
+        assert [_row(conn, i)["attempts"] for i in ids] == [1] * len(ids)
+        assert len(rabbit_queue.drain()) == 2 * threads
+    finally:
+        proxy.close()
 
 
 def test_redis_as_a_target(conn: psycopg.Connection, names: tuple[str, str]) -> None:

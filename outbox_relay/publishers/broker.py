@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -77,6 +78,24 @@ class _Link:
     connection: Any  # kombu.Connection
     producer: Any  # kombu.Producer
     returned: list[str] = field(default_factory=list)
+
+    def quiet(self) -> bool:
+        """Whether this idle AMQP link's socket has nothing to read.
+
+        An idle publisher connection receives nothing (no heartbeats, every
+        confirm consumed): bytes or EOF mean the broker closed it (a restart
+        sends connection.close, then FIN). A publish on it would fail and
+        spend its message's attempt.
+        """
+        connection = self.connection
+        if not connection.connected:  # known closed (and .connection would reconnect)
+            return False
+        try:
+            sock = connection.connection.transport.sock
+            readable, _, _ = select.select([sock], [], [], 0)
+        except (OSError, ValueError, AttributeError):  # closed, or no socket at all
+            return False
+        return not readable
 
     def close(self) -> None:
         try:
@@ -402,6 +421,9 @@ class BrokerPublisher:
 
         links = self._links.get()
         link = links.take()
+        while link is not None and self.is_amqp and not link.quiet():
+            link.close()  # closed by the broker while idle: never publish on it
+            link = links.take()
         healthy = False
         try:
             if link is None:
