@@ -542,8 +542,10 @@ def test_a_chunk_starts_as_many_threads_as_the_publishers_pace_needs(
         chunk(60)  # the pace unknown: every thread; the deliverer learns it
         # About 1 ms a publish (more where sleeps overshoot): 60 rows are all
         # under way within half of RAMP_SECONDS from about 6 threads (7 here;
-        # with every thread started, 30 to 33 of them published).
-        assert chunk(60) <= 15
+        # with every thread started, 30 to 33 of them published). On a busy
+        # host the sleeps overshoot more, the learned pace with them, and so
+        # the threads: 17 in one CI run, so the bound sits between that and 30.
+        assert chunk(60) <= 24
         # The receiver slows down to 50 ms: the rows are not all taken within
         # RAMP_SECONDS, and the rest of the threads join.
         pause[0] = 0.05
