@@ -452,7 +452,7 @@ def test_a_forked_child_builds_its_own_client(dsn: str, server: Server) -> None:
         first = _enqueue(conn, "parent")
         _dispatch(conn, publisher)
         second = _enqueue(conn, "child")
-    parent_client = publisher._client.peek()
+    parent_client = publisher._clients.peek()
     assert parent_client is not None
     # No database connection is open across the fork (rule 7 of the design).
     pid = os.fork()
@@ -461,7 +461,7 @@ def test_a_forked_child_builds_its_own_client(dsn: str, server: Server) -> None:
         try:
             with psycopg.connect(dsn, autocommit=True) as child_conn:
                 _dispatch(child_conn, publisher)
-                if publisher._client.peek() is not parent_client:
+                if publisher._clients.peek() is not parent_client:
                     code = 0
         finally:
             os._exit(code)
@@ -471,7 +471,7 @@ def test_a_forked_child_builds_its_own_client(dsn: str, server: Server) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         third = _enqueue(conn, "parent-again")
         _dispatch(conn, publisher)
-        assert publisher._client.peek() is parent_client
+        assert publisher._clients.peek() is parent_client
         for message_id in (first, second, third):
             assert _row(conn, message_id)["status"] == "done"
 

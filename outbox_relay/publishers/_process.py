@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["PerProcess"]
+__all__ = ["IdlePool", "PerProcess"]
 
 T = TypeVar("T")
 
@@ -57,3 +58,59 @@ class PerProcess(Generic[T]):
             value = self.peek()
             self._value = None
             return value
+
+
+class IdlePool(Generic[T]):
+    """Connections (or clients holding one) that publishing threads take and
+    give back, for one process.
+
+    Last in, first out: a chunk's threads take what the chunk before gave
+    back, and what nobody takes any more is closed once idle for
+    ``idle_seconds``. There is no cap below the thread count: with one (16
+    links, or a shared client's 32), every chunk whose threads outnumbered
+    it opened and closed the rest again (docs/benchmarks.md items 28, 29).
+    ``usable``: checked on taking; an item that fails it is closed, not
+    handed out (a connection the server closed while it sat idle).
+    """
+
+    def __init__(
+        self,
+        close: Callable[[T], object],
+        *,
+        idle_seconds: float = 60.0,
+        usable: Callable[[T], bool] | None = None,
+    ) -> None:
+        self._close = close
+        self._idle_seconds = idle_seconds
+        self._usable = usable
+        self._idle: list[tuple[float, T]] = []  # oldest first
+        self._lock = threading.Lock()
+
+    def take(self) -> T | None:
+        """The item given back last that is still usable, or None."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                _, item = self._idle.pop()
+            if self._usable is None or self._usable(item):
+                return item
+            self._close(item)
+
+    def give_back(self, item: T) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._idle.append((now, item))
+            stale = 0
+            while now - self._idle[stale][0] > self._idle_seconds:
+                stale += 1  # ends at the item just given back
+            expired = [old for _, old in self._idle[:stale]]
+            del self._idle[:stale]
+        for old in expired:
+            self._close(old)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, item in idle:
+            self._close(item)

@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import select
-import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from ssl import CERT_NONE, CERT_REQUIRED
@@ -44,7 +42,7 @@ from .._redact import redact_url, scrub
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ._options import as_callable_or, constructor_kwargs, split_budget
-from ._process import PerProcess
+from ._process import IdlePool, PerProcess
 
 __all__ = ["BROKER_SCHEMES", "BrokerPublisher"]
 
@@ -52,11 +50,6 @@ log = logging.getLogger("outbox_relay.publishers.broker")
 
 BROKER_SCHEMES = ("amqp", "amqps", "redis", "rediss", "redis+socket")
 _AMQP_SCHEMES = ("amqp", "amqps")
-# How long an idle connection is kept. A chunk's publishing threads (up to
-# ``publish_concurrency``) take one each, and the next chunk takes them
-# again: a cap on idle connections below the thread count (it was 16) made
-# every chunk open and close the rest (docs/benchmarks.md item 29).
-_IDLE_SECONDS = 60.0
 # AMQP short strings (routing keys, exchange names) are at most 255 bytes.
 _MAX_SHORTSTR = 255
 
@@ -102,40 +95,6 @@ class _Link:
             self.connection.release()
         except Exception:  # the connection is already broken; nothing to save
             log.debug("error while closing a broker connection", exc_info=True)
-
-
-class _Links:
-    """A per-process pool of links: kombu channels are not thread-safe.
-
-    Last in, first out, so the links a chunk's threads use are the ones
-    reused, and the others age out after ``_IDLE_SECONDS``.
-    """
-
-    def __init__(self) -> None:
-        self._idle: list[tuple[float, _Link]] = []  # oldest first
-        self._lock = threading.Lock()
-
-    def take(self) -> _Link | None:
-        with self._lock:
-            return self._idle.pop()[1] if self._idle else None
-
-    def give_back(self, link: _Link) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._idle.append((now, link))
-            stale = 0
-            while now - self._idle[stale][0] > _IDLE_SECONDS:
-                stale += 1
-            expired = [old for _, old in self._idle[:stale]]
-            del self._idle[:stale]
-        for old in expired:
-            old.close()
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for _, link in idle:
-            link.close()
 
 
 def _scheme(url: str) -> str:
@@ -250,7 +209,10 @@ class BrokerPublisher:
         self._errors: tuple[type[BaseException], ...] = tuple(
             template.connection_errors + template.channel_errors
         )
-        self._links = PerProcess(_Links)
+        # kombu channels are not thread-safe: one link per publishing thread.
+        self._links = PerProcess(
+            lambda: IdlePool(_Link.close, usable=_Link.quiet if self.is_amqp else None)
+        )
 
     @property
     def timeout_seconds(self) -> float:
@@ -421,9 +383,6 @@ class BrokerPublisher:
 
         links = self._links.get()
         link = links.take()
-        while link is not None and self.is_amqp and not link.quiet():
-            link.close()  # closed by the broker while idle: never publish on it
-            link = links.take()
         healthy = False
         try:
             if link is None:

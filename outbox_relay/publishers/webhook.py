@@ -25,8 +25,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any
@@ -39,7 +38,7 @@ from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ._http import TOKEN, decode_secret, excerpt, header_value, parse_retry_after, sign
 from ._options import constructor_kwargs, split_budget
-from ._process import PerProcess
+from ._process import IdlePool, PerProcess
 
 __all__ = [
     "DEFAULT_FORWARD_HEADERS",
@@ -301,7 +300,13 @@ class WebhookPublisher:
         _REDACT.register({url, str(target)})
         _install_redaction()
         self._user_agent = _user_agent()
-        self._client = PerProcess(lambda: _ThreadClients(self._build_client, self._tls()))
+        # One client (one keep-alive connection) per publishing thread at a
+        # time: a client shared by every thread scans its whole pool under one
+        # lock per request, which halved the rate (docs/benchmarks.md item 28).
+        self._clients: PerProcess[IdlePool[httpx.Client]] = PerProcess(
+            lambda: IdlePool(httpx.Client.close)
+        )
+        self._tls_context = PerProcess(self._tls)
         self._warn_if_insecure(parts)
 
     def _warn_if_insecure(self, parts: urllib.parse.SplitResult) -> None:
@@ -425,8 +430,8 @@ class WebhookPublisher:
         )
 
     def close(self) -> None:
-        """Close this process's clients (new ones are built on next use)."""
-        clients = self._client.reset()
+        """Close this process's idle clients (new ones are built on next use)."""
+        clients = self._clients.reset()
         if clients is not None:
             clients.close()
 
@@ -483,7 +488,8 @@ class WebhookPublisher:
         body = self.body(message)
         headers = self.headers(message, body)
         deadline = time.monotonic() + self.timeout_seconds
-        client = self._client.get().get()
+        clients = self._clients.get()
+        client = clients.take() or self._build_client(self._tls_context.get())
         try:
             with client.stream("POST", self._target, content=body, headers=headers) as response:
                 status = response.status_code
@@ -508,6 +514,9 @@ class WebhookPublisher:
             ) from exc
         except httpx.HTTPError as exc:  # connect refused/reset, TLS, proxy ...
             raise RetryableError(f"webhook {self._where}: {self._error(exc)}") from exc
+        finally:
+            # httpx drops a broken connection itself: the client stays usable.
+            clients.give_back(client)
         self._raise_for(status, raw, retry_after, location)
 
     def _error(self, exc: BaseException) -> str:
@@ -557,48 +566,3 @@ class WebhookPublisher:
         if 400 <= status < 500:
             raise PermanentError(detail)
         raise RetryableError(f"{detail} (unexpected status)")
-
-
-class _ThreadClients:
-    """One HTTP client per publishing thread, in one process.
-
-    The relay publishes a chunk from up to ``publish_concurrency`` threads at
-    once. One client shared by all of them kept 32 idle connections, so with
-    a receiver slower than the 20 ms ramp every wave opened the rest again:
-    0.8 new TLS connections per message, about 16,600 handshakes for 20,000
-    messages (docs/benchmarks.md item 28); with no cap on idle connections
-    its pool, scanned under one lock per request, halved the rate instead.
-    A client of its own per thread keeps that thread's connection, and no
-    thread waits on another's pool.
-    """
-
-    def __init__(
-        self, build: Callable[[ssl.SSLContext], httpx.Client], tls: ssl.SSLContext
-    ) -> None:
-        self._build = build
-        self._tls = tls
-        self._local = threading.local()
-        # Weak: a thread that ended took its client with it (get() has it
-        # closed when its thread is gone).
-        self._all: weakref.WeakSet[httpx.Client] = weakref.WeakSet()
-        self._lock = threading.Lock()
-
-    def get(self) -> httpx.Client:
-        client: httpx.Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = self._build(self._tls)
-            self._local.client = client
-            with self._lock:
-                self._all.add(client)
-            # Closed when its thread is gone (a deliverer's pool shut down),
-            # not left to the garbage collector with its socket open.
-            weakref.finalize(threading.current_thread(), client.close)
-        return client
-
-    def close(self) -> None:
-        with self._lock:
-            clients = list(self._all)
-            self._all = weakref.WeakSet()
-            self._local = threading.local()
-        for client in clients:
-            client.close()
