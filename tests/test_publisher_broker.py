@@ -30,9 +30,15 @@ from outbox_relay.publishers import BrokerPublisher, publisher_timeout, resolve_
 
 from . import services
 from .chunks import deliver_chunks
+from .closing import closing_every
 from .tcp_proxy import SilencingProxy
 
 NO_BACKOFF = RetryPolicy(max_attempts=3, backoff_base=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _close_publishers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    yield from closing_every(monkeypatch, BrokerPublisher)
 
 
 @pytest.fixture

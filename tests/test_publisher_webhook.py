@@ -40,6 +40,7 @@ from outbox_relay.publishers import (
 )
 
 from .chunks import deliver_chunks
+from .closing import closing_every
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
@@ -128,6 +129,11 @@ class Server:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _close_publishers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    yield from closing_every(monkeypatch, WebhookPublisher)
 
 
 @pytest.fixture

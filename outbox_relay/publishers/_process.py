@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["IdlePool", "PerProcess"]
 
@@ -60,17 +61,82 @@ class PerProcess(Generic[T]):
             return value
 
 
+# How often, at most, the sweeper looks for items idle too long.
+SWEEP_SECONDS = 5.0
+
+
+class _Sweeper:
+    """One daemon thread per process that closes what idle pools kept too long.
+
+    Without it, items expired only when another was given back: a relay that
+    went quiet after a burst kept every connection the burst opened (up to a
+    chunk's threads per pool process: 800 AMQP connections for four
+    processes at chunks of 200) until the next message, however late.
+    """
+
+    def __init__(self) -> None:
+        self.pools: weakref.WeakSet[IdlePool[Any]] = weakref.WeakSet()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def add(self, pool: IdlePool[Any]) -> None:
+        with self.lock:
+            self.pools.add(pool)
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="outbox-idle-sweeper", daemon=True
+                )
+                self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                pools = list(self.pools)
+            period = min([SWEEP_SECONDS, *(p.idle_seconds / 2 for p in pools)])
+            time.sleep(period)
+            for pool in pools:
+                pool.sweep()
+            del pools  # weakly held: a pool nobody uses any more can go
+
+
+_sweeper: _Sweeper | None = None
+_sweeper_lock = threading.Lock()
+
+
+def _forget_sweeper() -> None:
+    # After a fork: the parent's sweeper thread does not run here, and must not
+    # be replaced by one that touches the parent's pools (whose sockets the
+    # parent still uses); a lock another thread held at the fork stays locked.
+    global _sweeper, _sweeper_lock
+    _sweeper = None
+    _sweeper_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_sweeper)
+
+
+def _sweep_later(pool: IdlePool[Any]) -> None:
+    global _sweeper
+    with _sweeper_lock:
+        if _sweeper is None:
+            _sweeper = _Sweeper()
+        sweeper = _sweeper
+    sweeper.add(pool)
+
+
 class IdlePool(Generic[T]):
     """Connections (or clients holding one) that publishing threads take and
     give back, for one process.
 
     Last in, first out: a chunk's threads take what the chunk before gave
     back, and what nobody takes any more is closed once idle for
-    ``idle_seconds``. There is no cap below the thread count: with one (16
-    links, or a shared client's 32), every chunk whose threads outnumbered
-    it opened and closed the rest again (docs/benchmarks.md items 28, 29).
-    ``usable``: checked on taking; an item that fails it is closed, not
-    handed out (a connection the server closed while it sat idle).
+    ``idle_seconds`` (by the next give-back, or by the process's sweeper
+    thread within ``SWEEP_SECONDS`` after, when nothing is given back). There
+    is no cap below the thread count: with one (16 links, or a shared
+    client's 32), every chunk whose threads outnumbered it opened and closed
+    the rest again (docs/benchmarks.md items 28, 29). ``usable``: checked on
+    taking; an item that fails it is closed, not handed out (a connection
+    the server closed while it sat idle).
     """
 
     def __init__(
@@ -81,10 +147,11 @@ class IdlePool(Generic[T]):
         usable: Callable[[T], bool] | None = None,
     ) -> None:
         self._close = close
-        self._idle_seconds = idle_seconds
+        self.idle_seconds = idle_seconds
         self._usable = usable
         self._idle: list[tuple[float, T]] = []  # oldest first
         self._lock = threading.Lock()
+        self._sweeping = False
 
     def take(self) -> T | None:
         """The item given back last that is still usable, or None."""
@@ -101,13 +168,28 @@ class IdlePool(Generic[T]):
         now = time.monotonic()
         with self._lock:
             self._idle.append((now, item))
-            stale = 0
-            while now - self._idle[stale][0] > self._idle_seconds:
-                stale += 1  # ends at the item just given back
-            expired = [old for _, old in self._idle[:stale]]
-            del self._idle[:stale]
+            expired = self._expired(now)
+            sweeping, self._sweeping = self._sweeping, True
+        if not sweeping:
+            _sweep_later(self)
         for old in expired:
             self._close(old)
+
+    def sweep(self) -> None:
+        """Close what has been idle longer than ``idle_seconds``."""
+        with self._lock:
+            expired = self._expired(time.monotonic())
+        for old in expired:
+            self._close(old)
+
+    def _expired(self, now: float) -> list[T]:
+        """Remove and return the items idle too long (under ``_lock``)."""
+        stale = 0
+        while stale < len(self._idle) and now - self._idle[stale][0] > self.idle_seconds:
+            stale += 1
+        expired = [old for _, old in self._idle[:stale]]
+        del self._idle[:stale]
+        return expired
 
     def close(self) -> None:
         with self._lock:
