@@ -148,6 +148,15 @@ def prepare(
     each row's headers unless the caller set ``traceparent`` itself.
     """
     messages = list(messages)
+    for index, m in enumerate(messages):
+        if not isinstance(m, NewMessage):
+            # A dict of enqueue's keyword arguments is the likely mistake; it
+            # would otherwise fail deep inside as an AttributeError.
+            raise InvalidMessage(
+                f"message {index} is a {type(m).__name__}, not an outbox_relay.NewMessage: "
+                "enqueue_many takes NewMessage(aggregate_type=..., aggregate_id=..., "
+                "event_type=..., payload=...) for each message"
+            )
     if not allow_reserved:
         for m in messages:
             if m.event_type in RESERVED_EVENT_TYPES:

@@ -376,6 +376,21 @@ def test_invalid_fields_raise_invalid_message_and_write_nothing(
         assert [r[0] for r in rows(producer)] == [kept]
 
 
+def test_enqueue_many_names_an_item_that_is_not_a_new_message_and_writes_nothing(
+    dsn: str,
+) -> None:
+    with psycopg.connect(dsn) as producer:
+        kept = order_created(producer)
+        good = outbox_relay.NewMessage("order", "1", "order.created", {"n": 1})
+        as_dict = {"aggregate_type": "order", "aggregate_id": "2", "event_type": "e", "payload": {}}
+        with pytest.raises(
+            InvalidMessage, match=r"message 1 is a dict, not an outbox_relay\.NewMessage"
+        ):
+            outbox_relay.enqueue_many(producer, [good, as_dict])  # type: ignore[list-item]
+        producer.commit()
+        assert [r[0] for r in rows(producer)] == [kept]
+
+
 # ---------------------------------------------------------------- delay
 @pytest.mark.parametrize("delay", [timedelta(seconds=60), 60, 60.0])
 def test_delay_keeps_the_row_unclaimable_until_it_passes(
