@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,11 @@ class CeleryProcs:
         self.app = app
         self.procs: list[Proc] = []
         self._n = 0
+        # In every worker's node name: the same "w1@host" in two tests, one
+        # after the other on RabbitMQ, collided on the node's exclusive pidbox
+        # queue while the first test's worker connection was still closing
+        # (RESOURCE_LOCKED, and the second worker exited at start-up).
+        self.tag = uuid.uuid4().hex[:6]
 
     def _start(
         self,
@@ -125,7 +131,7 @@ class CeleryProcs:
             [
                 "worker",
                 "-n",
-                f"{name}@%h",
+                f"{name}-{self.tag}@%h",
                 "-P",
                 pool,
                 "-c",

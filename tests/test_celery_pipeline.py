@@ -221,7 +221,7 @@ def test_a_task_or_signature_publisher_is_sent_not_run_inline(pipeline_dsn, proc
     )
     assert (n, task_id, is_eager) == (7, f"outbox-{message_id}", False)
     assert routing_key == queue, "it came through the broker, on the task's own queue"
-    assert hostname.startswith("w2@"), "run by the task's worker, not the relay's"
+    assert hostname.startswith(f"w2-{p.tag}@"), "run by the task's worker, not the relay's"
     assert pid not in relay_pids and pid != relay.popen.pid
     assert tag == ("from-signature" if given == "signature" else None)
     assert "Task pipeline.record" in consumer.text()
