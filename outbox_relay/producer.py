@@ -157,13 +157,11 @@ def prepare(
                 "enqueue_many takes NewMessage(aggregate_type=..., aggregate_id=..., "
                 "event_type=..., payload=...) for each message"
             )
-    if not allow_reserved:
-        for m in messages:
-            if m.event_type in RESERVED_EVENT_TYPES:
-                raise InvalidMessage(
-                    f"event_type {m.event_type!r} is reserved for durable Celery tasks; "
-                    "write one with outbox_relay.apply_async() or task.enqueue()"
-                )
+        if not allow_reserved and m.event_type in RESERVED_EVENT_TYPES:
+            raise InvalidMessage(
+                f"event_type {m.event_type!r} is reserved for durable Celery tasks; "
+                "write one with outbox_relay.apply_async() or task.enqueue()"
+            )
     if settings is None:
         settings = producer_settings()
     outbox = OutboxTable.parse(table if table is not None else settings.table)

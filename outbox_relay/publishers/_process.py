@@ -77,51 +77,29 @@ class _Sweeper:
     def __init__(self) -> None:
         self.pools: weakref.WeakSet[IdlePool[Any]] = weakref.WeakSet()
         self.lock = threading.Lock()
-        self.thread: threading.Thread | None = None
+        self.added = threading.Event()  # a new pool may need a shorter period
+        threading.Thread(target=self._run, name="outbox-idle-sweeper", daemon=True).start()
 
     def add(self, pool: IdlePool[Any]) -> None:
         with self.lock:
             self.pools.add(pool)
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._run, name="outbox-idle-sweeper", daemon=True
-                )
-                self.thread.start()
+        self.added.set()
 
     def _run(self) -> None:
         while True:
+            self.added.clear()  # before the listing: a pool added after it wakes us
             with self.lock:
                 pools = list(self.pools)
-            period = min([SWEEP_SECONDS, *(p.idle_seconds / 2 for p in pools)])
-            time.sleep(period)
+            self.added.wait(min([SWEEP_SECONDS, *(p.idle_seconds / 2 for p in pools)]))
             for pool in pools:
                 pool.sweep()
             del pools  # weakly held: a pool nobody uses any more can go
 
 
-_sweeper: _Sweeper | None = None
-_sweeper_lock = threading.Lock()
-
-
-def _forget_sweeper() -> None:
-    # After a fork: the parent's sweeper thread does not run here, and must not
-    # be replaced by one that touches the parent's pools (whose sockets the
-    # parent still uses); a lock another thread held at the fork stays locked.
-    global _sweeper, _sweeper_lock
-    _sweeper = None
-    _sweeper_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_sweeper)
-
-
-def _sweep_later(pool: IdlePool[Any]) -> None:
-    global _sweeper
-    with _sweeper_lock:
-        if _sweeper is None:
-            _sweeper = _Sweeper()
-        sweeper = _sweeper
-    sweeper.add(pool)
+# Per process: after a fork the parent's sweeper thread does not run in the
+# child, and the child's must never touch the parent's pools (closing them
+# would close sockets the parent still uses).
+_sweeper: PerProcess[_Sweeper] = PerProcess(_Sweeper)
 
 
 class IdlePool(Generic[T]):
@@ -151,7 +129,7 @@ class IdlePool(Generic[T]):
         self._usable = usable
         self._idle: list[tuple[float, T]] = []  # oldest first
         self._lock = threading.Lock()
-        self._sweeping = False
+        _sweeper.get().add(self)
 
     def take(self) -> T | None:
         """The item given back last that is still usable, or None."""
@@ -169,9 +147,6 @@ class IdlePool(Generic[T]):
         with self._lock:
             self._idle.append((now, item))
             expired = self._expired(now)
-            sweeping, self._sweeping = self._sweeping, True
-        if not sweeping:
-            _sweep_later(self)
         for old in expired:
             self._close(old)
 
