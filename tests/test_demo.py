@@ -153,3 +153,15 @@ def test_receiver_fails_on_purpose_and_counts_duplicates() -> None:
     finally:
         receiver.close()
     assert [verdict(n, 1).status for n in (1, 2, 3, 4, 17)] == [503, 200, 429, 503, 400]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the hint is for root, whom pgserver cannot run as")
+def test_a_root_shell_without_useradd_on_path_is_told_what_to_add(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from outbox_relay.demo.services import _root_hint
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "/usr/sbin" in _root_hint() and "useradd" in _root_hint()
+    monkeypatch.setenv("PATH", "/usr/local/sbin:/usr/sbin:/sbin:/usr/bin:/bin")
+    assert _root_hint() == ""

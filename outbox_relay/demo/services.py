@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import warnings
 from collections.abc import Iterator
@@ -32,6 +33,19 @@ def _missing(package: str) -> DemoError:
     )
 
 
+def _root_hint() -> str:
+    # PostgreSQL refuses to run as root, so pgserver, started by root, runs it
+    # as a user of its own and creates that user with useradd (seen with
+    # `env -i` and a PATH without /usr/sbin: "No such file or directory:
+    # 'useradd'").
+    if os.geteuid() != 0 or shutil.which("useradd"):
+        return ""
+    return (
+        "; as root, pgserver runs PostgreSQL as a user of its own and creates it with "
+        "useradd, which is not on PATH (add /usr/sbin to PATH, or run as another user)"
+    )
+
+
 @contextlib.contextmanager
 def embedded_postgres(folder: Path) -> Iterator[str]:
     """Start a throwaway PostgreSQL in ``folder``; yield its DSN; stop it on exit."""
@@ -46,7 +60,9 @@ def embedded_postgres(folder: Path) -> Iterator[str]:
         try:
             server = get_server(folder, cleanup_mode="stop")
         except Exception as exc:
-            raise DemoError(f"the embedded PostgreSQL (pgserver) did not start: {exc}") from exc
+            raise DemoError(
+                f"the embedded PostgreSQL (pgserver) did not start: {exc}{_root_hint()}"
+            ) from exc
     try:
         yield str(server.get_uri())
     finally:
