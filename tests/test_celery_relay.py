@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 
@@ -27,7 +28,7 @@ from outbox_relay import NewMessage
 
 from . import services
 from .apps.recording import DDL
-from .celery_procs import CeleryProcs, counts, wait_for
+from .celery_procs import CeleryProcs, counts, pool_pids, wait_for
 
 pytestmark = pytest.mark.celery
 
@@ -219,6 +220,65 @@ def test_the_broker_publisher_with_defaults_publishes_to_the_relays_own_rabbitmq
         assert sorted(received) == sorted(f"outbox-{i}" for i in ids)
     finally:
         delete_entities()
+
+
+@pytest.mark.slow
+def test_a_quiet_worker_closes_its_publishers_connections(
+    recorded_dsn, redis_broker, procs_factory
+):
+    # The broker publisher keeps the links a chunk gave back, for the next
+    # chunk; once the relay goes quiet, each pool process's sweeper closes
+    # those idle for 60 s. Before it, nothing closed them until another
+    # chunk came: a quiet relay held every connection of its last burst.
+    # Celery's broker here is Redis, so every AMQP connection of the worker
+    # is the publisher's; an exchange of its own keeps this test apart from
+    # the RabbitMQ tests.
+    url = services.amqp_url()
+    if url is None:
+        pytest.skip("RabbitMQ not configured: set OUTBOX_TEST_AMQP_URL")
+    from kombu import Connection
+
+    exchange = f"test-quiet-{os.getpid()}"
+    port = Connection(url).port or 5672
+    procs = procs_factory(
+        recorded_dsn,
+        redis_broker,
+        publisher=url,
+        kombu_exchange=exchange,
+        kombu_unroutable="drop",
+        chunk_size=50,
+        batch_size=200,
+    )
+    worker = procs.worker(concurrency=2)
+    procs.beat()
+
+    def publisher_links() -> int:
+        links = 0
+        for pid in pool_pids(worker):
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(pid).net_connections(kind="tcp"):
+                    if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED:
+                        links += 1
+        return links
+
+    try:
+        enqueue_orders(recorded_dsn, 600)
+        wait_for(lambda: all_done(recorded_dsn, 600), timeout=60, what="600 messages done")
+        after_burst = publisher_links()
+        assert after_burst >= 1, "the pool processes kept no link for the next chunk"
+        quiet = time.monotonic()
+        wait_for(
+            lambda: publisher_links() == 0,
+            timeout=100,
+            interval=1,
+            what=lambda: f"the idle links closed ({publisher_links()} open)\n{procs.logs()}",
+        )
+        took = time.monotonic() - quiet
+        print(f"{after_burst} link(s) after the burst; closed {took:.0f}s later")
+        assert worker.alive()
+    finally:
+        with Connection(url, connect_timeout=5) as conn, contextlib.suppress(Exception):
+            conn.channel().exchange_delete(exchange)
 
 
 def test_a_coroutine_publisher_delivers_chunks_in_a_real_worker(
