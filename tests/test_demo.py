@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,4 +165,5 @@ def test_a_root_shell_without_useradd_on_path_is_told_what_to_add(
     monkeypatch.setenv("PATH", "/nonexistent")
     assert "/usr/sbin" in _root_hint() and "useradd" in _root_hint()
     monkeypatch.setenv("PATH", "/usr/local/sbin:/usr/sbin:/sbin:/usr/bin:/bin")
-    assert _root_hint() == ""
+    if shutil.which("useradd"):  # where the system has it at all
+        assert _root_hint() == ""
