@@ -191,6 +191,29 @@ def test_rabbitmq_missing_exchange_is_never_done(
     assert outbox_relay.stats(conn)["done"] == 0
 
 
+def test_rabbitmq_exchange_of_another_type_says_what_to_do(
+    conn: psycopg.Connection, amqp_url: str, names: tuple[str, str]
+) -> None:
+    # What an upgrade can leave behind: older relays bound their Celery queue
+    # to a direct exchange named "outbox", the publisher's default name.
+    from kombu import Connection, Exchange
+
+    with Connection(amqp_url, connect_timeout=5) as broker:
+        Exchange(names[0], type="direct", durable=True)(broker.channel()).declare()
+    try:
+        publisher = BrokerPublisher(amqp_url, exchange=names[0])
+        message_id = _enqueue(conn, "o-1")
+        _dispatch(conn, publisher)
+        row = _row(conn, message_id)
+        assert (row["status"], row["attempts"]) == ("pending", 1)  # fixable: retried
+        assert "inequivalent arg 'type'" in row["last_error"]
+        assert f"rabbitmqadmin delete exchange name={names[0]}" in row["last_error"]
+        assert "kombu_exchange" in row["last_error"]
+    finally:
+        with Connection(amqp_url, connect_timeout=5) as broker:
+            broker.channel().exchange_delete(names[0])
+
+
 def test_rabbitmq_unroutable_is_retried_until_a_queue_is_bound(
     conn: psycopg.Connection, amqp_url: str, names: tuple[str, str]
 ) -> None:

@@ -33,7 +33,7 @@ import kombu.connection
 import kombu.entity
 import kombu.exceptions
 import kombu.messaging
-from amqp.exceptions import MessageNacked  # type: ignore[import-untyped]
+from amqp.exceptions import MessageNacked, PreconditionFailed  # type: ignore[import-untyped]
 from kombu.transport import virtual
 from kombu.utils.url import parse_url
 
@@ -340,6 +340,20 @@ class BrokerPublisher:
             )
         return key
 
+    def _hint(self, exc: BaseException) -> str:
+        """What to do about an error an operator must fix, for last_error."""
+        if isinstance(exc, PreconditionFailed) and "inequivalent arg 'type'" in str(exc):
+            # Retried, not permanent: the message goes through once the old
+            # exchange is deleted. Seen after an upgrade: older relays bound
+            # their Celery queue to a direct exchange named "outbox".
+            name = self.exchange.name
+            return (
+                f"; exchange {name!r} exists with another type: delete it "
+                f"(rabbitmqadmin delete exchange name={name}) or set kombu_exchange "
+                "to another name"
+            )
+        return ""
+
     def _unroutable(self, routing_key: str, reason: str) -> None:
         text = (
             f"broker {self._where}: unroutable: no queue bound to exchange "
@@ -416,7 +430,7 @@ class BrokerPublisher:
         except (kombu.exceptions.KombuError, MessageNacked, OSError, *self._errors) as exc:
             # kombu and py-amqp may quote the URL they were given: no password
             # may reach last_error through them.
-            text = scrub(str(exc), self.url)
+            text = scrub(str(exc), self.url) + self._hint(exc)
             raise RetryableError(f"broker {self._where}: {type(exc).__name__}: {text}") from exc
         finally:
             if link is not None:
