@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
@@ -239,7 +240,7 @@ def test_a_quiet_worker_closes_its_publishers_connections(
     from kombu import Connection
 
     exchange = f"test-quiet-{os.getpid()}"
-    port = Connection(url).port or 5672
+    port = urlsplit(url).port or 5672
     procs = procs_factory(
         recorded_dsn,
         redis_broker,
