@@ -15,6 +15,8 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -580,11 +582,19 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "publishers.md"
 @pytest.mark.parametrize(
     "section", ["## A task of your own Celery pipeline", "### Celery consumer tasks"]
 )
-def test_the_python_examples_of_the_docs_run_as_written(section: str) -> None:
+def test_the_python_examples_of_the_docs_run_as_written(section: str, tmp_path: Path) -> None:
     text = DOCS.read_text()
     body = text[text.index(section) + len(section) :]
     nxt = min(i for i in (body.find("\n## "), body.find("\n### ")) if i >= 0)
     blocks = [b.split("```", 1)[0] for b in body[:nxt].split("```python\n")[1:]]
     assert blocks, f"no Python example under {section!r}"
-    for block in blocks:
-        exec(compile(block, f"publishers.md {section}", "exec"), {"__name__": "docs_example"})
+    for n, block in enumerate(blocks):
+        # In a fresh interpreter, as a reader runs it: the examples' tasks are
+        # shared Celery tasks, and run in this process they were registered
+        # into every app the later tests made (DuplicateTaskNameWarning).
+        script = tmp_path / f"example_{n}.py"
+        script.write_text(block)
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, f"{section}, example {n}:\n{done.stderr}"
