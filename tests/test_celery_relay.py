@@ -332,6 +332,30 @@ def test_worker_sigkilled_mid_publish_loses_nothing(recorded_dsn, redis_broker, 
         assert len(versions) == len(set(versions))
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_warm_shutdown_writes_the_done_its_processes_gathered(
+    recorded_dsn, redis_broker, procs_factory, pool
+):
+    """Per-message deliveries hand their done to their process's completer;
+    a worker stopped the way Celery stops (SIGTERM to its main process: it
+    finishes its tasks, then ends its pool processes) writes them before it
+    exits, instead of leaving them leased for a lease (20 s here). Under
+    ``-P threads`` the deliveries run in the main process, which writes them
+    at exit."""
+    procs = procs_factory(recorded_dsn, redis_broker, finalize_window_seconds=1)
+    worker = procs.worker(concurrency=2, pool=pool)
+    ids = enqueue_orders(recorded_dsn, 30)
+    procs.beat()
+    wait_for(lambda: len(published(recorded_dsn)) == 30, timeout=60, what="all published")
+    gathered = counts(recorded_dsn)
+    # Published, handed over, not yet written (the window is a second long).
+    assert gathered.get("processing", 0) > 0, gathered
+    os.kill(worker.popen.pid, signal.SIGTERM)  # the main process only: a warm shutdown
+    worker.popen.wait(30)
+    assert counts(recorded_dsn) == {"done": 30}, procs.logs()
+    assert sorted(r[0] for r in published(recorded_dsn)) == ids  # each once
+
+
 def test_standalone_app_keeps_no_unacked_copies_in_redis(
     recorded_dsn, redis_broker, procs_factory, tmp_path
 ):

@@ -129,6 +129,14 @@ def test_every_database_call_is_bounded_within_the_lease() -> None:
         Settings(lease_seconds=20, database_timeout_seconds=30)
 
 
+def test_the_finalize_window_is_a_fraction_of_a_second_or_off() -> None:
+    assert Settings().finalize_window_seconds == 0.02
+    assert Settings(finalize_window_seconds=0).finalize_window_seconds == 0  # done in the task
+    for bad in (-0.1, 5):
+        with pytest.raises(ConfigError, match=r"OUTBOX_FINALIZE_WINDOW_SECONDS must be between"):
+            Settings(finalize_window_seconds=bad)
+
+
 def test_the_rescuer_ticks_with_the_claim_unless_told_otherwise() -> None:
     assert Settings(claim_interval_seconds=2).rescue_interval == 2
     assert Settings(rescue_interval_seconds=7).rescue_interval == 7

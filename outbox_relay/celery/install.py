@@ -265,10 +265,18 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
     def process_shutdown(**kwargs: Any) -> None:
         inst.close()
 
+    def worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
+        # After a warm shutdown's last task: under -P threads or solo the
+        # deliveries ran in this process, and its completer writes the done it
+        # gathered now (a no-op where the pool processes held the services).
+        if sender is None or getattr(sender, "app", None) is app:
+            inst.close()
+
     signals.celeryd_init.connect(on_init, weak=False)
     signals.celeryd_after_setup.connect(after_setup, weak=False)
     signals.worker_process_init.connect(process_init, weak=False)
     signals.worker_process_shutdown.connect(process_shutdown, weak=False)
+    signals.worker_shutdown.connect(worker_shutdown, weak=False)
 
     from .listener import RelayWorkerStep
 

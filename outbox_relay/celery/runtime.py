@@ -35,7 +35,16 @@ from ..model import Message
 from ..outbox import Outbox
 from ..publishers import CeleryTaskPublisher, Router, publisher_timeout, resolve_publisher
 from ..publishers.protocol import is_async_publisher
-from ..services import Claimer, Deliverer, LeaseKeeper, Observer, Publisher, Purger, Rescuer
+from ..services import (
+    Claimer,
+    Completer,
+    Deliverer,
+    LeaseKeeper,
+    Observer,
+    Publisher,
+    Purger,
+    Rescuer,
+)
 from ..services.policy import RetryPolicy
 from . import names
 from .canvas import CANVAS_EVENT_TYPE, CanvasPublisher
@@ -464,6 +473,12 @@ class Installation:
             timeout=s.database_timeout,
         )
         keeper = LeaseKeeper(db, lease, table=table)
+        observers = Observers(list(self.observers))
+        completer = (
+            Completer(db, table=table, observer=observers, window=s.finalize_window_seconds)
+            if s.finalize_window_seconds > 0
+            else None
+        )
         deliverer = Deliverer(
             self.publisher(),
             db=db,
@@ -472,7 +487,7 @@ class Installation:
             publish_timeout=s.publish_timeout_seconds,
             idempotency_key_prefix=s.idempotency_key_prefix,
             concurrency=s.publish_concurrency,
-            observer=Observers(list(self.observers)),
+            observer=observers,
             keeper=keeper,
             # The delivery task counts the attempt when it begins, so a task
             # that expired in the broker unrun costs its row nothing.
@@ -480,6 +495,8 @@ class Installation:
             # Raised inside a publisher published inline (one row, or a
             # concurrency of 1): it ends the chunk, not that row's attempt.
             interruptions=(SoftTimeLimitExceeded,),
+            # A single message's done, written with the process's others.
+            completer=completer,
         )
         claimer = Claimer(
             db,

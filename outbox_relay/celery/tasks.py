@@ -105,10 +105,14 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         # the in-flight cap, and only finished rows make room).
         if drain and drain != "end":
             _send(claim, hint_args(inst.settings))
+        deliverer = inst.services().deliverer
         try:
-            return after_delivery(inst.services().deliverer.deliver(refs), refs)
+            return after_delivery(deliverer.deliver(refs), refs)
         finally:
             if drain == "end":
+                # The claim counts the room this task's row makes: its done
+                # written now, not by the completer a moment later.
+                deliverer.flush()
                 _send(claim, hint_args(inst.settings))
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]

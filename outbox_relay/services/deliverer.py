@@ -46,6 +46,7 @@ from ..publishers.protocol import is_async_publisher
 from ..store.relay import Began
 from ..table import OutboxTable
 from ..tracing import PublishTracer, default_tracer
+from .completer import Completer
 from .keeper import Hold, LeaseKeeper
 from .policy import RetryPolicy, classify
 
@@ -224,6 +225,7 @@ class Deliverer:
         count_attempt: bool = False,
         tracer: PublishTracer | Literal["default"] | None = "default",
         interruptions: tuple[type[BaseException], ...] = (),
+        completer: Completer | None = None,
     ) -> None:
         self.publisher = publisher
         self.db = db
@@ -241,6 +243,9 @@ class Deliverer:
         # (Celery's soft time limit, raised in whatever the task's thread is
         # running, the publisher included): never classified as the row's error.
         self.interruptions = interruptions
+        # Writes a published single message's done in a batch with the
+        # process's others, after the task returns (services/completer.py).
+        self.completer = completer
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         # A coroutine publisher runs on an event loop of its own (_loop).
@@ -547,6 +552,8 @@ class Deliverer:
         finished = [(row, p) for row, p, r in zip(ready, padded, running) if not r]
         outcomes = [self._outcome(row, result) for row, (result, _) in finished]
         writes = outcomes + released
+        if self._hand_over(finished, writes, report):
+            return
         changed = self.db.run(lambda conn: store.finalize(conn, writes, table=self.table))
         report.released = sum(1 for o in released if o.id in changed)
         for (row, (result, seconds)), outcome in zip(finished, outcomes):
@@ -577,6 +584,34 @@ class Deliverer:
             else:
                 report.retried += 1
 
+    def _hand_over(
+        self,
+        finished: Sequence[tuple[Began, _Result]],
+        writes: Sequence[Outcome],
+        report: DeliveryReport,
+    ) -> bool:
+        """Leave a single published message's ``done`` to the completer.
+
+        Only a delivery of one message (per-message mode), published, not
+        ordered (its aggregate's next message waits for this done), and
+        nothing else to write; everything else is finalized here, now.
+        """
+        if self.completer is None or len(finished) != 1 or len(writes) != 1:
+            return False
+        (row, (result, seconds)), outcome = finished[0], writes[0]
+        if outcome.status != "done" or result is not None or row.claimed.ordered:
+            return False
+        self.observer.published(row.claimed, outcome, seconds)
+        self.completer.add(row.claimed, outcome, row.age_seconds + seconds)
+        report.outcomes.append(outcome)
+        report.done += 1
+        return True
+
+    def flush(self) -> None:
+        """Write the ``done`` of deliveries handed to the completer, now."""
+        if self.completer is not None:
+            self.completer.flush()
+
     def _outcome(
         self, row: Began, result: BaseException | _NotPublished | _Unfinished | None
     ) -> Outcome:
@@ -593,6 +628,8 @@ class Deliverer:
         return classify(result, row.claimed, self.policy, age_seconds=row.age_seconds)
 
     def close(self) -> None:
+        if self.completer is not None:
+            self.completer.close()
         with self._executor_lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)

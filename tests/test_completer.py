@@ -1,0 +1,176 @@
+"""The completer: a single published message's done, written by its process
+in a batch after the delivery returned, fenced as the delivery's own would be."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_relay import (
+    Claimer,
+    Deliverer,
+    DirectDatabase,
+    Message,
+    NewMessage,
+    OutboxTable,
+    Rescuer,
+    RetryableError,
+    enqueue_many,
+)
+from outbox_relay.db import PoolDatabase
+from outbox_relay.model import Claimed, LeaseRef, Outcome
+from outbox_relay.services import Completer
+
+from .celery_procs import wait_for
+
+
+class _Observer:
+    """An observer that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.finalized_rows: list[tuple[int, str]] = []
+        self.lost: list[int] = []
+
+    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
+        pass
+
+    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None:
+        self.finalized_rows.append((msg.id, outcome.status))
+
+    def lost_lease(self, ref: LeaseRef, where: str) -> None:
+        self.lost.append(ref.id)
+
+    def stale(self, ref: LeaseRef, reason: str) -> None:
+        pass
+
+
+@pytest.fixture
+def db(dsn: str) -> Iterator[PoolDatabase]:
+    pool = PoolDatabase(dsn, size=2, name="test-completer")
+    yield pool
+    pool.close()
+
+
+def status(conn: psycopg.Connection[Any], message_id: int) -> tuple[str, int]:
+    row = conn.execute(
+        "SELECT status, lease_version FROM outbox WHERE id = %s", (message_id,)
+    ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def claim(conn: psycopg.Connection[Any]) -> list[LeaseRef]:
+    claimer = Claimer(
+        DirectDatabase(conn),
+        table=OutboxTable(),
+        owner=lambda: "test",
+        batch_size=100,
+        max_in_flight=None,
+        lease=timedelta(seconds=30),
+        max_attempts=5,
+    )
+    return [m.ref for m in claimer.run_once().claimed]
+
+
+def relay(db: PoolDatabase, window: float, publish: Any = None) -> tuple[Deliverer, _Observer]:
+    observer = _Observer()
+    completer = Completer(db, table=OutboxTable(), observer=observer, window=window)
+    deliverer = Deliverer(
+        publish or (lambda message: None),
+        db=db,
+        observer=observer,
+        count_attempt=True,
+        completer=completer,
+        tracer=None,
+    )
+    return deliverer, observer
+
+
+def test_a_published_message_is_marked_done_by_its_process_after_the_task(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    [message_id] = enqueue_many(conn, [NewMessage("order", "1", "order.paid", {"n": 1})])
+    deliverer, observer = relay(db, window=0.5)
+    report = deliverer.deliver(claim(conn))
+    assert report.done == 1
+    # Handed over, not yet written: the task could return at once.
+    assert status(conn, message_id)[0] == "processing"
+    assert observer.finalized_rows == []
+    wait_for(lambda: status(conn, message_id)[0] == "done", timeout=5, what="done")
+    assert observer.finalized_rows == [(message_id, "done")]
+    deliverer.close()
+
+
+def test_the_messages_of_one_window_are_written_by_one_statement(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    ids = enqueue_many(conn, [NewMessage("order", str(i), "order.paid", {}) for i in range(5)])
+    deliverer, observer = relay(db, window=0.5)
+    for ref in claim(conn):
+        deliverer.deliver([ref])  # five per-message tasks, one after the other
+    wait_for(lambda: len(observer.finalized_rows) == 5, timeout=5, what="five done")
+    rows = conn.execute("SELECT status, done_at FROM outbox ORDER BY id").fetchall()
+    assert {r[0] for r in rows} == {"done"}
+    # One transaction stamped them all (now() is the transaction's clock).
+    assert len({r[1] for r in rows}) == 1, rows
+    assert sorted(i for i, _ in observer.finalized_rows) == ids
+    deliverer.close()
+
+
+def test_a_row_claimed_again_before_the_write_is_left_to_its_new_holder(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    [message_id] = enqueue_many(conn, [NewMessage("order", "1", "order.paid", {})])
+    deliverer, observer = relay(db, window=1.0)
+    [ref] = claim(conn)
+    deliverer.deliver([ref])
+    # Before the completer writes, the lease lapses and another worker claims it.
+    conn.execute("UPDATE outbox SET lease_until = now() - interval '1 second'")
+    Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=5).run_once()
+    [again] = claim(conn)
+    assert again.lease_version == ref.lease_version + 1
+    deliverer.flush()
+    assert status(conn, message_id) == ("processing", again.lease_version)
+    assert observer.lost == [message_id]
+    assert observer.finalized_rows == []
+    deliverer.close()
+
+
+def test_retries_chunks_and_ordered_messages_are_written_by_the_task(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    failing = enqueue_many(conn, [NewMessage("order", "f", "order.fail", {})])
+    chunk = enqueue_many(conn, [NewMessage("order", f"c{i}", "order.paid", {}) for i in range(2)])
+    ordered = enqueue_many(conn, [NewMessage("order", "o", "order.paid", {})], ordered=True)
+
+    def publish(message: Message) -> None:
+        if message.event_type == "order.fail":
+            raise RetryableError("receiver down")
+
+    deliverer, _ = relay(db, window=30.0, publish=publish)
+    refs = {r.id: r for r in claim(conn)}
+    deliverer.deliver([refs[failing[0]]])
+    deliverer.deliver([refs[i] for i in chunk])
+    deliverer.deliver([refs[ordered[0]]])
+    # No wait: each was finalized before deliver() returned.
+    assert status(conn, failing[0])[0] == "pending"
+    assert [status(conn, i)[0] for i in chunk] == ["done", "done"]
+    assert status(conn, ordered[0])[0] == "done"
+    deliverer.close()
+
+
+def test_close_writes_what_was_gathered(conn: psycopg.Connection[Any], db: PoolDatabase) -> None:
+    [message_id] = enqueue_many(conn, [NewMessage("order", "1", "order.paid", {})])
+    deliverer, observer = relay(db, window=30.0)
+    deliverer.deliver(claim(conn))
+    assert status(conn, message_id)[0] == "processing"
+    started = time.monotonic()
+    deliverer.close()  # a pool process shutting down: not 30 s later
+    assert time.monotonic() - started < 5
+    assert status(conn, message_id)[0] == "done"
+    assert observer.finalized_rows == [(message_id, "done")]
