@@ -134,7 +134,10 @@ class Completer:
                     return
             # The deliveries that finish meanwhile go into the same statement.
             time.sleep(self.window)
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # an observer's failure must not end the thread
+                log.exception("the completer's write failed; it goes on with the next window")
 
     def _write(self, batch: Sequence[_Done]) -> None:
         if not batch:
