@@ -21,6 +21,7 @@ from outbox_relay import (
     Rescuer,
     RetryableError,
     enqueue_many,
+    store,
 )
 from outbox_relay.db import PoolDatabase
 from outbox_relay.model import Claimed, LeaseRef, Outcome
@@ -174,3 +175,33 @@ def test_close_writes_what_was_gathered(conn: psycopg.Connection[Any], db: PoolD
     assert time.monotonic() - started < 5
     assert status(conn, message_id)[0] == "done"
     assert observer.finalized_rows == [(message_id, "done")]
+
+
+def test_a_row_tried_before_is_finished_by_its_task_after_the_gathered_ones(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    """A row on its second attempt may be the message that kills its process
+    (poison): what the process gathered is written before it is published,
+    and its own done is written by its task, so a crash never turns a lost
+    done into a dead letter (the fault suite's poison scenario found it)."""
+    first, again = enqueue_many(
+        conn, [NewMessage("order", str(i), "order.paid", {}) for i in (1, 2)]
+    )
+    deliverer, observer = relay(db, window=30.0)
+    refs = {r.id: r for r in claim(conn)}
+    # The second row's first attempt: begun, then its worker died mid-publish.
+    deliverer_refs = [refs[again]]
+
+    store.begin(conn, deliverer_refs, needed=timedelta(seconds=1))
+    conn.execute(
+        "UPDATE outbox SET lease_until = now() - interval '1 second' WHERE id = %s", (again,)
+    )
+    Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=5).run_once()
+    deliverer.deliver([refs[first]])  # a first attempt: handed over
+    assert status(conn, first)[0] == "processing"
+    [retry] = claim(conn)
+    deliverer.deliver([retry])  # its second attempt
+    assert status(conn, first)[0] == "done"  # written before the retry's publish
+    assert status(conn, again)[0] == "done"  # written by its own task
+    assert sorted(i for i, _ in observer.finalized_rows) == [first, again]
+    deliverer.close()

@@ -22,9 +22,15 @@ What that changes, and why it is safe:
 * A warm shutdown writes what is gathered before the process exits
   (``Deliverer.close``, called when a pool process or the worker shuts down,
   and at interpreter exit).
-* Only ``done`` is deferred: a retry, a dead letter and a release are written
-  by the task, and so is the ``done`` of an ordered message, whose
-  aggregate's next message may be claimed only once it is done.
+* Only the ``done`` of a first attempt is deferred: a retry, a dead letter
+  and a release are written by the task, and so is the ``done`` of an
+  ordered message (its aggregate's next message may be claimed only once it
+  is done) and of a row tried before. A lost ``done`` thus costs its row one
+  attempt, never its last. And before a row tried before is published (it
+  may be a message that kills its process), the process writes what it
+  gathered, so such a crash never spends other messages' attempts: the
+  fault suite's poison scenario sent an innocent message ``dead`` before
+  this rule (its ``done`` lost to a poison message's crash three times).
 """
 
 from __future__ import annotations

@@ -273,6 +273,11 @@ class Deliverer:
             )
         )
         ready, released = self._sort(refs, began, worst, report)
+        if self.completer is not None and any(row.claimed.attempts > 1 for row in ready):
+            # A row tried before may be one that kills its process (a poison
+            # message): the done this process gathered is written first, so
+            # such a crash never costs other messages an attempt.
+            self.completer.flush()
         hold: Hold | None = None
         if self.keeper is not None and ready:
             # Renewed only while the chunk is within its worst case; after
@@ -592,14 +597,19 @@ class Deliverer:
     ) -> bool:
         """Leave a single published message's ``done`` to the completer.
 
-        Only a delivery of one message (per-message mode), published, not
-        ordered (its aggregate's next message waits for this done), and
-        nothing else to write; everything else is finalized here, now.
+        Only a delivery of one message (per-message mode), published on its
+        first attempt with more to come, not ordered (its aggregate's next
+        message waits for this done), and nothing else to write; everything
+        else is finalized here, now. A done the completer loses with its
+        process costs its row one attempt, and the retry's done is written
+        by its task: a lost done never makes a row dead.
         """
         if self.completer is None or len(finished) != 1 or len(writes) != 1:
             return False
         (row, (result, seconds)), outcome = finished[0], writes[0]
         if outcome.status != "done" or result is not None or row.claimed.ordered:
+            return False
+        if row.claimed.attempts != 1 or self.policy.max_attempts <= 1:
             return False
         self.observer.published(row.claimed, outcome, seconds)
         self.completer.add(row.claimed, outcome, row.age_seconds + seconds)
