@@ -96,16 +96,14 @@ class Completer:
 
     def add(self, claimed: Claimed, outcome: Outcome, age_seconds: float) -> None:
         """Hand over a published message's ``done``; written within ``window`` seconds."""
+        done = _Done(claimed, outcome, age_seconds)
         with self._lock:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
+            if not self._closed:
                 if self._pid != os.getpid():
                     # Forked: the parent's thread is not here, and what it
                     # gathered is the parent's to write.
                     self._pid, self._thread, self._pending = os.getpid(), None, []
-                self._pending.append(_Done(claimed, outcome, age_seconds))
+                self._pending.append(done)
                 if self._thread is None:
                     # Started on first use, in the process that delivers (a
                     # pool process builds its services after the fork).
@@ -114,8 +112,8 @@ class Completer:
                     )
                     self._thread.start()
                 self._gathered.notify()
-        if closed:  # shutting down: write it now rather than never
-            self._write([_Done(claimed, outcome, age_seconds)])
+                return
+        self._write([done])  # shutting down: write it now rather than never
 
     def flush(self) -> None:
         """Write everything handed over so far, now (before a claim that needs

@@ -606,8 +606,8 @@ class Deliverer:
         """
         if self.completer is None or len(finished) != 1 or len(writes) != 1:
             return False
-        (row, (result, seconds)), outcome = finished[0], writes[0]
-        if outcome.status != "done" or result is not None or row.claimed.ordered:
+        (row, (_, seconds)), outcome = finished[0], writes[0]
+        if outcome.status != "done" or row.claimed.ordered:
             return False
         if row.claimed.attempts != 1 or self.policy.max_attempts <= 1:
             return False
