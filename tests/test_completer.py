@@ -1,5 +1,5 @@
-"""The completer: a single published message's done, written by its process
-in a batch after the delivery returned, fenced as the delivery's own would be."""
+"""The completer: a published first attempt's done, written by its process in
+a batch after the delivery returned, fenced as the delivery's own would be."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from outbox_relay import (
 from outbox_relay.db import PoolDatabase
 from outbox_relay.model import Claimed, LeaseRef, Outcome
 from outbox_relay.services import Completer
+from outbox_relay.services.completer import FULL_ROWS
 
 from .celery_procs import wait_for
 
@@ -88,6 +89,8 @@ def relay(db: PoolDatabase, window: float, publish: Any = None) -> tuple[Deliver
         count_attempt=True,
         completer=completer,
         tracer=None,
+        # A chunk of FULL_ROWS in one wave: within the claim's 30 s lease.
+        concurrency=FULL_ROWS,
     )
     return deliverer, observer
 
@@ -142,11 +145,10 @@ def test_a_row_claimed_again_before_the_write_is_left_to_its_new_holder(
     deliverer.close()
 
 
-def test_retries_chunks_and_ordered_messages_are_written_by_the_task(
+def test_retries_and_ordered_messages_are_written_by_the_task(
     conn: psycopg.Connection[Any], db: PoolDatabase
 ) -> None:
     failing = enqueue_many(conn, [NewMessage("order", "f", "order.fail", {})])
-    chunk = enqueue_many(conn, [NewMessage("order", f"c{i}", "order.paid", {}) for i in range(2)])
     ordered = enqueue_many(conn, [NewMessage("order", "o", "order.paid", {})], ordered=True)
 
     def publish(message: Message) -> None:
@@ -156,12 +158,64 @@ def test_retries_chunks_and_ordered_messages_are_written_by_the_task(
     deliverer, _ = relay(db, window=30.0, publish=publish)
     refs = {r.id: r for r in claim(conn)}
     deliverer.deliver([refs[failing[0]]])
-    deliverer.deliver([refs[i] for i in chunk])
     deliverer.deliver([refs[ordered[0]]])
     # No wait: each was finalized before deliver() returned.
     assert status(conn, failing[0])[0] == "pending"
-    assert [status(conn, i)[0] for i in chunk] == ["done", "done"]
     assert status(conn, ordered[0])[0] == "done"
+    deliverer.close()
+
+
+def test_a_chunk_leaves_its_first_attempts_done_and_writes_the_rest_itself(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    """A chunk's published first attempts wait for the completer with the
+    rest of the window; its retry is written before its task returns."""
+    paid = enqueue_many(conn, [NewMessage("order", f"c{i}", "order.paid", {}) for i in range(3)])
+    [failing] = enqueue_many(conn, [NewMessage("order", "f", "order.fail", {})])
+
+    def publish(message: Message) -> None:
+        if message.event_type == "order.fail":
+            raise RetryableError("receiver down")
+
+    deliverer, observer = relay(db, window=30.0, publish=publish)
+    report = deliverer.deliver(claim(conn))
+    assert (report.done, report.retried) == (3, 1)
+    assert status(conn, failing)[0] == "pending"
+    assert [status(conn, i)[0] for i in paid] == ["processing"] * 3
+    deliverer.flush()
+    assert [status(conn, i)[0] for i in paid] == ["done"] * 3
+    assert sorted(i for i, s in observer.finalized_rows if s == "done") == paid
+    deliverer.close()
+
+
+def test_chunks_that_fill_a_statement_are_written_without_waiting_for_the_window(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    """Finished rows still count against the in-flight cap: two half chunks
+    that gather FULL_ROWS are written at once, not a window later, and a
+    chunk that fills a statement by itself is written by its own task."""
+    half = FULL_ROWS // 2
+    ids = enqueue_many(
+        conn, [NewMessage("order", str(i), "order.paid", {}) for i in range(2 * half)]
+    )
+    deliverer, _ = relay(db, window=30.0)
+    refs = claim(conn)
+    deliverer.deliver(refs[:half])
+    assert status(conn, ids[0])[0] == "processing"  # waiting for more
+    deliverer.deliver(refs[half:])
+
+    def done() -> int:
+        row = conn.execute(
+            "SELECT count(*) FROM outbox WHERE status = 'done' AND id = ANY(%s)", (ids,)
+        ).fetchone()
+        return 0 if row is None else int(row[0])
+
+    wait_for(lambda: done() == 2 * half, timeout=5, what="both halves, well before 30 s")
+    whole = enqueue_many(
+        conn, [NewMessage("order", f"w{i}", "order.paid", {}) for i in range(FULL_ROWS)]
+    )
+    deliverer.deliver(claim(conn))
+    assert {status(conn, i)[0] for i in whole} == {"done"}  # no wait
     deliverer.close()
 
 

@@ -2,7 +2,7 @@
 
 * ``Claimer``: leases due rows under the in-flight cap.
 * ``Deliverer``: begin, publish, classify, fenced finalize (one chunk).
-* ``Completer``: a process's single-message deliveries marked done together.
+* ``Completer``: a process's published first attempts marked done together.
 * ``LeaseKeeper``: a bounded heartbeat for long chunks, measured by the database.
 * ``Rescuer``: frees expired leases on its own tick, whatever the room.
 * ``Purger``: deletes finished rows past retention.

@@ -46,7 +46,7 @@ from ..publishers.protocol import is_async_publisher
 from ..store.relay import Began
 from ..table import OutboxTable
 from ..tracing import PublishTracer, default_tracer
-from .completer import Completer
+from .completer import FULL_ROWS, Completer
 from .keeper import Hold, LeaseKeeper
 from .policy import RetryPolicy, classify
 
@@ -556,8 +556,12 @@ class Deliverer:
             )
         finished = [(row, p) for row, p, r in zip(ready, padded, running) if not r]
         outcomes = [self._outcome(row, result) for row, (result, _) in finished]
+        deferred = self._hand_over(finished, outcomes, report)
+        if deferred:
+            kept = [(f, o) for f, o in zip(finished, outcomes) if o.id not in deferred]
+            finished, outcomes = [f for f, _ in kept], [o for _, o in kept]
         writes = outcomes + released
-        if self._hand_over(finished, writes, report):
+        if not writes:
             return
         changed = self.db.run(lambda conn: store.finalize(conn, writes, table=self.table))
         report.released = sum(1 for o in released if o.id in changed)
@@ -592,30 +596,34 @@ class Deliverer:
     def _hand_over(
         self,
         finished: Sequence[tuple[Began, _Result]],
-        writes: Sequence[Outcome],
+        outcomes: Sequence[Outcome],
         report: DeliveryReport,
-    ) -> bool:
-        """Leave a single published message's ``done`` to the completer.
+    ) -> set[int]:
+        """Leave the ``done`` of first attempts to the completer; the ids handed over.
 
-        Only a delivery of one message (per-message mode), published on its
-        first attempt with more to come, not ordered (its aggregate's next
-        message waits for this done), and nothing else to write; everything
-        else is finalized here, now. A done the completer loses with its
-        process costs its row one attempt, and the retry's done is written
-        by its task: a lost done never makes a row dead.
+        Only a row published on its first attempt with more to come and not
+        ordered (its aggregate's next message waits for this done); a retry,
+        a dead letter, a release and everything else is finalized by the
+        task, now. A done the completer loses with its process costs its row
+        one attempt, and the retry's done is written by its task: a lost done
+        never makes a row dead.
         """
-        if self.completer is None or len(finished) != 1 or len(writes) != 1:
-            return False
-        (row, (_, seconds)), outcome = finished[0], writes[0]
-        if outcome.status != "done" or row.claimed.ordered:
-            return False
-        if row.claimed.attempts != 1 or self.policy.max_attempts <= 1:
-            return False
-        self.observer.published(row.claimed, outcome, seconds)
-        self.completer.add(row.claimed, outcome, row.age_seconds + seconds)
-        report.outcomes.append(outcome)
-        report.done += 1
-        return True
+        if self.completer is None or self.policy.max_attempts <= 1:
+            return set()
+        if len(finished) >= FULL_ROWS:
+            # A statement of its own already: handing it to the thread would
+            # only add the hand-off (chunks of 200 and 500 were 5 to 7% slower).
+            return set()
+        handed: list[tuple[Claimed, Outcome, float]] = []
+        for (row, (_, seconds)), outcome in zip(finished, outcomes):
+            if outcome.status != "done" or row.claimed.ordered or row.claimed.attempts != 1:
+                continue
+            self.observer.published(row.claimed, outcome, seconds)
+            handed.append((row.claimed, outcome, row.age_seconds + seconds))
+            report.outcomes.append(outcome)
+        self.completer.add(handed)
+        report.done += len(handed)
+        return {outcome.id for _, outcome, _ in handed}
 
     def flush(self) -> None:
         """Write the ``done`` of deliveries handed to the completer, now."""
