@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 
 from outbox_relay import (
@@ -66,14 +67,16 @@ def status(conn: psycopg.Connection[Any], message_id: int) -> tuple[str, int]:
     return row[0], row[1]
 
 
-def claim(conn: psycopg.Connection[Any]) -> list[LeaseRef]:
+def claim(
+    conn: psycopg.Connection[Any], lease: timedelta = timedelta(seconds=30)
+) -> list[LeaseRef]:
     claimer = Claimer(
         DirectDatabase(conn),
         table=OutboxTable(),
         owner=lambda: "test",
         batch_size=100,
         max_in_flight=None,
-        lease=timedelta(seconds=30),
+        lease=lease,
         max_attempts=5,
     )
     return [m.ref for m in claimer.run_once().claimed]
@@ -258,4 +261,62 @@ def test_a_row_tried_before_is_finished_by_its_task_after_the_gathered_ones(
     assert status(conn, first)[0] == "done"  # written before the retry's publish
     assert status(conn, again)[0] == "done"  # written by its own task
     assert sorted(i for i, _ in observer.finalized_rows) == [first, again]
+    deliverer.close()
+
+
+def _read_only(conn: psycopg.Connection[Any], on: bool) -> None:
+    """The database refuses writes in every new session (as during a
+    failover to a standby), and the relay's sessions are cut so that their
+    next connections are new ones."""
+    db = psycopg.sql.Identifier(conn.info.dbname)
+    setting = (
+        "SET default_transaction_read_only = on" if on else "RESET default_transaction_read_only"
+    )
+    conn.execute(psycopg.sql.SQL("ALTER DATABASE {} " + setting).format(db))
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
+
+
+def test_a_write_that_fails_is_tried_again_until_it_succeeds(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    """A failed write no longer costs its rows a second delivery: they still
+    hold their leases, and the completer's thread writes them again (the
+    fault suite's terminate scenario had 11 duplicates from such writes)."""
+    [message_id] = enqueue_many(conn, [NewMessage("order", "1", "order.paid", {})])
+    deliverer, observer = relay(db, window=30.0)
+    deliverer.deliver(claim(conn))
+    _read_only(conn, True)
+    try:
+        deliverer.flush()  # refused by the database; the thread tries again
+        assert status(conn, message_id)[0] == "processing"
+    finally:
+        _read_only(conn, False)
+    # No flush here: the thread's next write, not the 30 s window.
+    wait_for(lambda: status(conn, message_id)[0] == "done", timeout=10, what="written again")
+    assert observer.finalized_rows == [(message_id, "done")]
+    assert observer.lost == []
+    deliverer.close()
+
+
+def test_a_write_is_given_up_once_its_lease_has_ended(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    """Bounded by the lease: past it the row is the rescuer's to free and
+    another worker's to deliver, so the write is given up."""
+    [message_id] = enqueue_many(conn, [NewMessage("order", "1", "order.paid", {})])
+    deliverer, observer = relay(db, window=30.0)
+    deliverer.publish_timeout = 0.5  # fits the short lease below
+    deliverer.deliver(claim(conn, lease=timedelta(seconds=2)))
+    _read_only(conn, True)
+    try:
+        deliverer.flush()
+        time.sleep(2.5)  # the thread tries every RETRY_SECONDS; the lease ends
+    finally:
+        _read_only(conn, False)
+    deliverer.flush()  # nothing left to write
+    assert status(conn, message_id)[0] == "processing"
+    assert observer.finalized_rows == []
     deliverer.close()

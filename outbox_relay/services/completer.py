@@ -22,6 +22,10 @@ What that changes, and why it is safe:
   lapses, the rescuer frees it and it is delivered again (a duplicate the
   receiver de-duplicates on its idempotency key, never a loss). The window
   is the completer's ``window`` instead of one round trip.
+* A write that fails (a terminated connection, a failover, a database that
+  refuses writes for a while) is tried again every RETRY_SECONDS until the
+  rows' leases end; only past that are they left to the rescuer, and
+  delivered again.
 * A warm shutdown writes what is gathered before the process exits
   (``Deliverer.close``, called when a pool process or the worker shuts down,
   and at interpreter exit).
@@ -67,12 +71,20 @@ log = logging.getLogger("outbox_relay.completer")
 # and back off (20,231 -> 7,705 a second in alternating rounds).
 FULL_ROWS = 100
 
+# After a write that failed, the next one waits this long (a database that
+# refuses writes fails at once; without a pause the thread would spin).
+RETRY_SECONDS = 0.5
+
 
 @dataclass(frozen=True)
 class _Done:
     claimed: Claimed
     outcome: Outcome
     age_seconds: float
+    # When its lease ends, by this process's monotonic clock, as far as the
+    # hand-over knew: written again after a failure until then, and given up
+    # after (the rescuer frees the row and it is delivered again).
+    lease_ends: float
 
 
 class Completer:
@@ -93,6 +105,10 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._closed = False
+        # No write before this (monotonic) time: set after a failed one,
+        # whose rows (_retrying) are then written at that time.
+        self._retry_at = 0.0
+        self._retrying = False
         # Weakly: a completer nobody uses any more (a test's, a rebuilt
         # installation's) is not kept alive for its exit hook.
         ref = weakref.ref(self)
@@ -104,11 +120,12 @@ class Completer:
 
         atexit.register(at_exit)
 
-    def add(self, handed: Sequence[tuple[Claimed, Outcome, float]]) -> None:
-        """Hand over published messages' ``done`` (with each one's age in
-        seconds); written within ``window`` seconds, or at once when
-        FULL_ROWS are gathered."""
-        batch = [_Done(claimed, outcome, age) for claimed, outcome, age in handed]
+    def add(self, handed: Sequence[tuple[Claimed, Outcome, float, float]]) -> None:
+        """Hand over published messages' ``done``, each with its age and the
+        seconds its lease has left; written within ``window`` seconds, or at
+        once when FULL_ROWS are gathered."""
+        now = time.monotonic()
+        batch = [_Done(c, o, age, now + left) for c, o, age, left in handed]
         if not batch:
             return
         with self._lock:
@@ -134,6 +151,7 @@ class Completer:
         the room, and at shutdown)."""
         with self._lock:
             batch, self._pending = self._pending, []
+            self._retrying = False
         self._write(batch)
 
     def close(self) -> None:
@@ -151,12 +169,15 @@ class Completer:
                 # The deliveries that finish meanwhile go into the same
                 # statement, up to FULL_ROWS: more would save nothing and keep
                 # finished rows counted as in flight (the claims' cap) longer.
+                # After a failed write, the next one RETRY_SECONDS later.
                 deadline = time.monotonic() + self.window
-                while len(self._pending) < FULL_ROWS and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+                while not self._closed:
+                    now = time.monotonic()
+                    due = self._retry_at if self._retrying else max(deadline, self._retry_at)
+                    full = len(self._pending) >= FULL_ROWS and now >= self._retry_at
+                    if full or now >= due:
                         break
-                    self._gathered.wait(left)
+                    self._gathered.wait(due - now)
                 if self._closed:
                     return
             try:
@@ -172,14 +193,7 @@ class Completer:
             try:
                 changed = self.db.run(lambda conn: store.finalize(conn, outcomes, table=self.table))
             except Exception:
-                # Like a delivery task whose own finalize failed: the rows
-                # keep their leases until they lapse, then are delivered again.
-                log.warning(
-                    "could not mark %d published message(s) done; they stay leased until their "
-                    "leases lapse and are then delivered again",
-                    len(batch),
-                    exc_info=True,
-                )
+                self._failed(batch)
                 return
         written: set[int] = set()
         for d in batch:
@@ -196,3 +210,29 @@ class Completer:
                 d.claimed.id,
                 d.claimed.lease_version,
             )
+
+    def _failed(self, batch: Sequence[_Done]) -> None:
+        """A write that failed (a terminated connection, a failover): its rows
+        still hold their leases, so the thread writes them again, every
+        RETRY_SECONDS until their leases end (the fence makes a second write
+        of a row the first one did finish a no-op, reported as a lost lease).
+        Before, each such write cost its rows a second delivery: 11
+        duplicates in the fault suite's terminate scenario."""
+        now = time.monotonic()
+        with self._lock:
+            # Shutting down, no window is left to write them in.
+            again = [] if self._closed else [d for d in batch if d.lease_ends > now]
+            self._pending[:0] = again
+            self._retry_at = now + RETRY_SECONDS
+            self._retrying = bool(again)
+            self._gathered.notify()
+        given_up = len(batch) - len(again)
+        fate = f"written again in {RETRY_SECONDS:g}s"
+        if given_up:
+            fate = (
+                f"{given_up} given up (their leases end: they are delivered again once "
+                f"they lapse), the rest {fate}"
+            )
+        log.warning(
+            "could not mark %d published message(s) done; %s", len(batch), fate, exc_info=True
+        )

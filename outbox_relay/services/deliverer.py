@@ -614,16 +614,19 @@ class Deliverer:
             # A statement of its own already: handing it to the thread would
             # only add the hand-off (chunks of 200 and 500 were 5 to 7% slower).
             return set()
-        handed: list[tuple[Claimed, Outcome, float]] = []
+        handed: list[tuple[Claimed, Outcome, float, float]] = []
         for (row, (_, seconds)), outcome in zip(finished, outcomes):
             if outcome.status != "done" or row.claimed.ordered or row.claimed.attempts != 1:
                 continue
             self.observer.published(row.claimed, outcome, seconds)
-            handed.append((row.claimed, outcome, row.age_seconds + seconds))
+            # The lease left at begin, less the publish (a keeper may have
+            # renewed it since: then it ends later, never sooner).
+            lease_left = row.lease_left_seconds - seconds
+            handed.append((row.claimed, outcome, row.age_seconds + seconds, lease_left))
             report.outcomes.append(outcome)
         self.completer.add(handed)
         report.done += len(handed)
-        return {outcome.id for _, outcome, _ in handed}
+        return {h[1].id for h in handed}
 
     def flush(self) -> None:
         """Write the ``done`` of deliveries handed to the completer, now."""
