@@ -134,6 +134,7 @@ class Completer:
                     # Forked: the parent's thread is not here, and what it
                     # gathered is the parent's to write.
                     self._pid, self._thread, self._pending = os.getpid(), None, []
+                    self._retry_at, self._retrying = 0.0, False
                 self._pending.extend(batch)
                 if self._thread is None:
                     # Started on first use, in the process that delivers (a
