@@ -496,11 +496,12 @@ class Settings(ProducerSettings):
     # Claims always commit durably: a fencing token must never be handed out
     # twice.
     synchronous_finalize: bool = True
-    # Per-message delivery: a worker process writes its deliveries' done in
-    # one fenced statement at most this long after each task returned (0: each
-    # task writes its own before it returns). A fifth less CPU per message
-    # (docs/benchmarks.md, item 31); a process killed in that window leaves
-    # its rows to their leases, as one killed before its own done would.
+    # Per-message delivery and chunks under 100 rows: a worker process writes
+    # its deliveries' done in one fenced statement at most this long after
+    # each task returned (0: each task writes its own before it returns). A
+    # fifth less CPU per message (docs/benchmarks.md, items 31 and 32); a
+    # process killed in that window leaves its rows to their leases, as one
+    # killed before its own done would.
     finalize_window_seconds: float = 0.02
     purge_after_seconds: float = 7 * 86_400.0
     owner: str | None = None

@@ -495,7 +495,8 @@ class Installation:
             # Raised inside a publisher published inline (one row, or a
             # concurrency of 1): it ends the chunk, not that row's attempt.
             interruptions=(SoftTimeLimitExceeded,),
-            # A single message's done, written with the process's others.
+            # A first attempt's done (per message, small chunks), written with
+            # the process's others.
             completer=completer,
         )
         claimer = Claimer(

@@ -105,10 +105,9 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._closed = False
-        # No write before this (monotonic) time: set after a failed one,
-        # whose rows (_retrying) are then written at that time.
-        self._retry_at = 0.0
-        self._retrying = False
+        # When the rows of a failed write are written again (monotonic);
+        # None while no write has failed since the last one.
+        self._retry_at: float | None = None
         # Weakly: a completer nobody uses any more (a test's, a rebuilt
         # installation's) is not kept alive for its exit hook.
         ref = weakref.ref(self)
@@ -134,7 +133,7 @@ class Completer:
                     # Forked: the parent's thread is not here, and what it
                     # gathered is the parent's to write.
                     self._pid, self._thread, self._pending = os.getpid(), None, []
-                    self._retry_at, self._retrying = 0.0, False
+                    self._retry_at = None
                 self._pending.extend(batch)
                 if self._thread is None:
                     # Started on first use, in the process that delivers (a
@@ -152,7 +151,7 @@ class Completer:
         the room, and at shutdown)."""
         with self._lock:
             batch, self._pending = self._pending, []
-            self._retrying = False
+            self._retry_at = None
         self._write(batch)
 
     def close(self) -> None:
@@ -170,13 +169,15 @@ class Completer:
                 # The deliveries that finish meanwhile go into the same
                 # statement, up to FULL_ROWS: more would save nothing and keep
                 # finished rows counted as in flight (the claims' cap) longer.
-                # After a failed write, the next one RETRY_SECONDS later.
+                # After a failed write, RETRY_SECONDS later whatever is gathered.
                 deadline = time.monotonic() + self.window
                 while not self._closed:
                     now = time.monotonic()
-                    due = self._retry_at if self._retrying else max(deadline, self._retry_at)
-                    full = len(self._pending) >= FULL_ROWS and now >= self._retry_at
-                    if full or now >= due:
+                    retry_at = self._retry_at
+                    if retry_at is None and len(self._pending) >= FULL_ROWS:
+                        break
+                    due = deadline if retry_at is None else retry_at
+                    if now >= due:
                         break
                     self._gathered.wait(due - now)
                 if self._closed:
@@ -224,8 +225,7 @@ class Completer:
             # Shutting down, no window is left to write them in.
             again = [] if self._closed else [d for d in batch if d.lease_ends > now]
             self._pending[:0] = again
-            self._retry_at = now + RETRY_SECONDS
-            self._retrying = bool(again)
+            self._retry_at = now + RETRY_SECONDS if again else None
             self._gathered.notify()
         given_up = len(batch) - len(again)
         fate = f"written again in {RETRY_SECONDS:g}s"
