@@ -47,6 +47,7 @@ __all__ = [
     "conceal",
     "env_name",
     "hide_secrets",
+    "refuse_unknown_environment",
 ]
 
 # Settings with these prefixes are options of one kind of publisher
@@ -308,6 +309,18 @@ def _refuse_unknown(
     unknown = sorted(n for n in found if not is_known(n))
     if unknown:
         raise ConfigError(_unknown_message(unknown, known))
+
+
+def refuse_unknown_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Raise ``ConfigError`` for an ``OUTBOX_*`` name that is no setting.
+
+    For a command that reads only some settings (the operations CLI reads
+    the DSN and the table): a misspelled one (``OUTBOX_CHUNK_SIZ``) is
+    refused there as the worker and beat refuse it, not passed over because
+    that command had no use for it. Values are checked where they are used.
+    """
+    environ = os.environ if environ is None else environ
+    _refuse_unknown(set(Settings.field_names()), {}, environ, {})
 
 
 def _publisher_options(conf: Any, environ: Mapping[str, str]) -> dict[str, Any]:

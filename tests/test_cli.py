@@ -131,6 +131,23 @@ def test_missing_dsn_is_a_usage_error() -> None:
     assert "--dsn" in result.output and "OUTBOX_DSN" in result.output
 
 
+@pytest.mark.parametrize("command", [["status", "--json"], ["dead", "list"], ["migrate"]])
+def test_a_misspelled_setting_is_refused_by_every_command(
+    dsn: str, conn: psycopg.Connection[Any], command: list[str]
+) -> None:
+    # The worker refuses OUTBOX_CHUNK_SIZ; a command that never reads the
+    # chunk size must not pass it over either (the operator would think the
+    # environment it shares with the worker is right).
+    before = conn.execute("SELECT count(*), max(id) FROM outbox").fetchone()
+    result = cli(*command, dsn=dsn, OUTBOX_CHUNK_SIZ="1")
+    assert result.exit_code == 2, result.output
+    assert "OUTBOX_CHUNK_SIZ (did you mean OUTBOX_CHUNK_SIZE?)" in result.output
+    assert conn.execute("SELECT count(*), max(id) FROM outbox").fetchone() == before
+    # A real relay setting the command has no use for is no error.
+    status = json.loads(ok(cli("status", "--json", dsn=dsn, OUTBOX_CHUNK_SIZE="50")))
+    assert status["pending"] >= 0
+
+
 # ---------------------------------------------------------------- durations
 def test_parse_duration() -> None:
     assert parse_duration("7d") == timedelta(days=7)

@@ -23,7 +23,7 @@ from psycopg import errors as pg_errors
 from rich.console import Console
 
 from .._redact import connect_error, mask_dsn, scrub
-from ..config import Settings, read_secret_file
+from ..config import Settings, read_secret_file, refuse_unknown_environment
 from ..errors import ConfigError
 from ..table import OutboxTable
 
@@ -248,6 +248,12 @@ def group_options(fn: F) -> F:
 
 def setup(ctx: click.Context, dsn: str | None, table: str, dsn_file: str | None = None) -> None:
     """The group callback: resolve the group options into ``ctx.obj``."""
+    try:
+        # The worker refuses a misspelled OUTBOX_ setting; so does every
+        # command here, though it reads only the DSN and the table.
+        refuse_unknown_environment()
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     source = click.core.ParameterSource.COMMANDLINE
     ctx.obj = CliState(
         dsn_option=dsn,
