@@ -377,6 +377,47 @@ def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
     assert "receiver rejected the message (test)" in line
 
 
+def test_a_lease_lost_after_the_task_returned_is_sent_as_its_event(dsn, procs) -> None:
+    """A single message's done is written by its process's completer after
+    the deliver task returned; a lease found lost then is still reported in
+    Flower, on behalf of that task."""
+    from .apps.recording import DDL
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(DDL)
+    broker = services.redis_url()
+    p = procs(
+        dsn,
+        broker,
+        app="outbox_relay.app",
+        RECORDING_DSN=dsn,
+        OUTBOX_PUBLISHER="tests.apps.recording:publish",
+        OUTBOX_CLAIM_INTERVAL_SECONDS="1",
+        OUTBOX_FINALIZE_WINDOW_SECONDS="0.5",  # the task returns long before the write
+    )
+    worker = p.worker()
+    ours = pool_pids(worker)
+    with EventTap(_client(broker)) as tap:
+        message_id = _enqueue(dsn, 12, {"steal": True})
+        lost = wait_for(
+            lambda: [
+                e
+                for e in tap.of_type("task-outbox-lost-lease")
+                if e.get("outbox_id") == message_id and e.get("pid") in ours
+            ],
+            timeout=60,
+            what=f"task-outbox-lost-lease\n{worker.text()[-3000:]}",
+        )
+        succeeded = [e for e in tap.of_type("task-succeeded") if e.get("uuid") == lost[0]["uuid"]]
+    assert lost[0]["lease_version"] == 1
+    assert lost[0]["uuid"], "sent on behalf of the deliver task"
+    # The deliver task it names had returned before the completer wrote.
+    assert succeeded and succeeded[0]["timestamp"] < lost[0]["timestamp"]
+    # Not finished under the lost lease: the row waits for its new holder.
+    assert _status(dsn, message_id) == "processing"
+    assert "lost lease on outbox message" in worker.text()
+
+
 # -------------------------------------------------------------------- item 2
 def test_inbox_task_defaults_are_the_safe_ones() -> None:
     app = Celery("inbox-defaults", broker="memory://", set_as_current=False)

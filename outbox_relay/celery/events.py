@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from ..model import Claimed, LeaseRef, Outcome
-from ..services.deliverer import Observer
+from ..services.observer import Observer, bind
 
 __all__ = ["Observers", "TaskEvents"]
 
@@ -21,16 +22,38 @@ class TaskEvents:
     this thread. They carry ids, versions and reasons, never payloads.
     """
 
-    def _send(self, kind: str, **fields: Any) -> None:
+    def _task(self) -> _Task | None:
+        """The delivery task the events are sent for: the one running in this thread."""
         from celery import current_task
 
         task = current_task
-        if task is None or not getattr(task.request, "id", None):
+        task_id = getattr(task.request, "id", None) if task is not None else None
+        if task is None or not task_id:
+            return None
+        return _Task(task.app, str(task_id), task.request.hostname)
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        task = self._task()
+        if task is None:
             return
         try:
-            task.send_event(kind, **fields)
+            # What Task.send_event does, for a task that may have returned.
+            with task.app.events.default_dispatcher(hostname=task.hostname) as dispatcher:
+                dispatcher.send(
+                    kind,
+                    uuid=task.id,
+                    retry=True,
+                    retry_policy=task.app.conf.task_publish_retry_policy,
+                    **fields,
+                )
         except Exception:  # events are best effort; never fail a delivery for one
             log.debug("could not send task event %s", kind, exc_info=True)
+
+    def bound(self) -> TaskEvents:
+        """These events for the task running here now, sent later from any
+        thread: the completer finds a lost lease after the task returned."""
+        task = self._task()
+        return self if task is None else _TaskEventsFor(task)
 
     def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
         pass
@@ -68,6 +91,23 @@ class TaskEvents:
         )
 
 
+@dataclass(frozen=True)
+class _Task:
+    app: Any
+    id: str
+    hostname: str | None
+
+
+class _TaskEventsFor(TaskEvents):
+    """``TaskEvents`` on behalf of one task, whichever thread sends them."""
+
+    def __init__(self, task: _Task) -> None:
+        self.task = task
+
+    def _task(self) -> _Task | None:
+        return self.task
+
+
 def _short(text: str | None, limit: int = 500) -> str:
     """A reason short enough for an event (``last_error`` keeps the whole text)."""
     text = text or "unknown"
@@ -98,3 +138,8 @@ class Observers:
 
     def stale(self, ref: LeaseRef, reason: str) -> None:
         self._each("stale", ref, reason)
+
+    def bound(self) -> Observers:
+        """The same observers, those that speak for the running task
+        (``TaskEvents``) bound to it: for reports made after it returned."""
+        return Observers([bind(o) for o in self.observers])

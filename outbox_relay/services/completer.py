@@ -50,15 +50,12 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .. import store
 from ..db import Database
 from ..model import Claimed, Outcome
 from ..table import OutboxTable
-
-if TYPE_CHECKING:
-    from .deliverer import Observer
+from .observer import Observer, bind
 
 __all__ = ["Completer"]
 
@@ -85,6 +82,9 @@ class _Done:
     # hand-over knew: written again after a failure until then, and given up
     # after (the rescuer frees the row and it is delivered again).
     lease_ends: float
+    # Bound to the delivery task that handed it over (deliverer.bind): a lost
+    # lease is reported for that task, which has returned by then.
+    observer: Observer
 
 
 class Completer:
@@ -124,7 +124,8 @@ class Completer:
         seconds its lease has left; written within ``window`` seconds, or at
         once when FULL_ROWS are gathered."""
         now = time.monotonic()
-        batch = [_Done(c, o, age, now + left) for c, o, age, left in handed]
+        observer = bind(self.observer)
+        batch = [_Done(c, o, age, now + left, observer) for c, o, age, left in handed]
         if not batch:
             return
         with self._lock:
@@ -201,11 +202,11 @@ class Completer:
         for d in batch:
             if d.outcome.id in changed and d.outcome.id not in written:
                 written.add(d.outcome.id)
-                self.observer.finalized(d.claimed, d.outcome, d.age_seconds)
+                d.observer.finalized(d.claimed, d.outcome, d.age_seconds)
                 continue
             # Re-claimed by another worker since the publish (or the same
             # lease delivered twice by a duplicated task): not ours to finish.
-            self.observer.lost_lease(d.claimed.ref, "finalize")
+            d.observer.lost_lease(d.claimed.ref, "finalize")
             log.warning(
                 "lost lease on outbox message %s v%s: it was published but another worker "
                 "holds it now; the receiver de-duplicates on its idempotency key",

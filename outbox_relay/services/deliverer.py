@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 from .. import store
 from ..db import Database
@@ -48,6 +48,7 @@ from ..table import OutboxTable
 from ..tracing import PublishTracer, default_tracer
 from .completer import FULL_ROWS, Completer
 from .keeper import Hold, LeaseKeeper
+from .observer import Observer
 from .policy import RetryPolicy, classify
 
 __all__ = [
@@ -85,15 +86,6 @@ def threads_at_once(publish_seconds: float | None, rows: int, threads: int) -> i
         return threads
     window = max(publish_seconds, RAMP_SECONDS) / 2
     return max(1, min(threads, math.ceil(rows * publish_seconds / window)))
-
-
-class Observer(Protocol):
-    """Hooks for metrics and task events; every method must be cheap."""
-
-    def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None: ...
-    def finalized(self, msg: Claimed, outcome: Outcome, age_seconds: float) -> None: ...
-    def lost_lease(self, ref: LeaseRef, where: str) -> None: ...
-    def stale(self, ref: LeaseRef, reason: str) -> None: ...
 
 
 class _NoObserver:

@@ -7,7 +7,9 @@ test can count how often every message really went out.
 
 A message's payload may steer the publisher, which lets one test mix cases:
 ``{"sleep": 2.0}`` publishes slowly, ``{"fail": "retryable" | "permanent"}``
-fails, ``{"fail_times": 2}`` fails transiently for the first two attempts.
+fails, ``{"fail_times": 2}`` fails transiently for the first two attempts,
+``{"steal": true}`` takes the row's first lease away while it is published
+(as a rescue and another worker's claim would: the lease version moves on).
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def publish(message: Message) -> None:
             os.getpid(),
         ),
     )
+    if payload.get("steal") and message.lease_version == 1:
+        _connection().execute(
+            "UPDATE outbox SET lease_version = lease_version + 1 WHERE id = %s", (message.id,)
+        )
 
 
 async def publish_async(message: Message) -> None:
