@@ -116,6 +116,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a kept-alive connection must not hold up shutdown
+    # socketserver listens with a backlog of 5; a chunk's publishes connect
+    # at once, and the kernel refuses what does not fit (each a retry).
+    request_queue_size = 128
     stats: Stats
 
     def handle_error(self, request: Any, client_address: Any) -> None:
