@@ -320,3 +320,46 @@ def test_a_write_is_given_up_once_its_lease_has_ended(
     assert status(conn, message_id)[0] == "processing"
     assert observer.finalized_rows == []
     deliverer.close()
+
+
+class _AnswerLost(PoolDatabase):
+    """A real database whose answer to one write never arrives: the write
+    commits, then the call fails as a connection cut after COMMIT does."""
+
+    lose_next = False
+
+    def run(self, fn: Any, *, retry: bool = True) -> Any:
+        result = super().run(fn, retry=retry)
+        if self.lose_next:
+            self.lose_next = False
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return result
+
+
+def test_a_write_that_committed_but_lost_its_answer_is_not_a_lost_lease(
+    conn: psycopg.Connection[Any], dsn: str
+) -> None:
+    """The second write finds the row done already; done under its own lease
+    version it was ours (the first write committed), not another worker's."""
+    [message_id] = enqueue_many(conn, [NewMessage("order", "1", "order.paid", {})])
+    db = _AnswerLost(dsn, size=2, name="test-completer-answer-lost")
+    try:
+        deliverer, observer = relay(db, window=30.0)
+        deliverer.deliver(claim(conn))
+        db.lose_next = True
+        deliverer.flush()  # commits; its answer is lost, so it is tried again
+        assert status(conn, message_id) == ("done", 1)
+        wait_for(lambda: observer.finalized_rows, timeout=10, what="the second write")
+        assert observer.finalized_rows == [(message_id, "done")]
+        assert observer.lost == []
+        # A row re-claimed by another worker and finished there is still a lost lease.
+        [other] = enqueue_many(conn, [NewMessage("order", "2", "order.paid", {})])
+        deliverer.deliver(claim(conn))
+        conn.execute("UPDATE outbox SET lease_version = lease_version + 1 WHERE id = %s", (other,))
+        db.lose_next = True
+        deliverer.flush()  # changes nothing (fenced); then it is tried again
+        wait_for(lambda: observer.lost, timeout=10, what="the lost lease")
+        assert observer.lost == [other]
+        deliverer.close()
+    finally:
+        db.close()

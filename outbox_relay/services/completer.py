@@ -49,7 +49,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import store
 from ..db import Database
@@ -85,6 +85,8 @@ class _Done:
     # Bound to the delivery task that handed it over (deliverer.bind): a lost
     # lease is reported for that task, which has returned by then.
     observer: Observer
+    # A write of it failed before: that write may have committed all the same.
+    tried: bool = False
 
 
 class Completer:
@@ -199,8 +201,9 @@ class Completer:
                 self._failed(batch)
                 return
         written: set[int] = set()
+        ours = self._done_before([d for d in batch if d.tried and d.outcome.id not in changed])
         for d in batch:
-            if d.outcome.id in changed and d.outcome.id not in written:
+            if (d.outcome.id in changed or d.outcome.id in ours) and d.outcome.id not in written:
                 written.add(d.outcome.id)
                 d.observer.finalized(d.claimed, d.outcome, d.age_seconds)
                 continue
@@ -214,17 +217,35 @@ class Completer:
                 d.claimed.lease_version,
             )
 
+    def _done_before(self, unchanged: Sequence[_Done]) -> set[int]:
+        """Rows a failed write did finish after all (the connection was cut
+        after its COMMIT): done under their own lease version, so theirs, not
+        lost leases. Read only after such a failure."""
+        if not unchanged:
+            return set()
+        refs = [d.claimed.ref for d in unchanged]
+        try:
+            return self.db.run(lambda conn: store.done_under(conn, refs, table=self.table))
+        except Exception:  # then they are reported as lost leases, as before
+            log.debug("could not read back the rows of a failed write", exc_info=True)
+            return set()
+
     def _failed(self, batch: Sequence[_Done]) -> None:
         """A write that failed (a terminated connection, a failover): its rows
         still hold their leases, so the thread writes them again, every
         RETRY_SECONDS until their leases end (the fence makes a second write
-        of a row the first one did finish a no-op, reported as a lost lease).
+        of a row the first one did finish a no-op; _done_before tells it
+        from a lost lease).
         Before, each such write cost its rows a second delivery: 11
         duplicates in the fault suite's terminate scenario."""
         now = time.monotonic()
         with self._lock:
             # Shutting down, no window is left to write them in.
-            again = [] if self._closed else [d for d in batch if d.lease_ends > now]
+            again = (
+                []
+                if self._closed
+                else [replace(d, tried=True) for d in batch if d.lease_ends > now]
+            )
             self._pending[:0] = again
             self._retry_at = now + RETRY_SECONDS if again else None
             self._gathered.notify()

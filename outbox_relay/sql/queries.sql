@@ -404,6 +404,18 @@ UPDATE {table} AS o
    AND o.lease_until IS NOT NULL
 RETURNING o.id;
 
+-- name: done_under
+-- Which of these rows are done under the very lease version given: after a
+-- write whose answer was lost (a connection cut after its COMMIT), the
+-- completer's second write changes nothing, and this tells "done by our
+-- first write" from "re-claimed and finished by another worker" (a newer
+-- version). Read only; by primary key.
+SELECT o.id
+  FROM {table} AS o
+  JOIN unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+    ON o.id = v.id AND o.lease_version = v.version
+ WHERE o.status = 'done';
+
 -- name: finalize_one
 -- finalize for one message, with plain parameters (see begin_one).
 -- The same fence: id, lease_version, a live lease, and unless_begun.

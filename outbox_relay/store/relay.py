@@ -24,6 +24,7 @@ __all__ = [
     "begin",
     "claim",
     "claim_batch",
+    "done_under",
     "extend_lease",
     "extend_leases",
     "finalize",
@@ -336,6 +337,16 @@ def finalize(
     with statement_tx(conn) if savepoint else nullcontext():
         rows = conn.execute(q.finalize, params).fetchall()
     return {r[0] for r in rows}
+
+
+def done_under(
+    conn: psycopg.Connection[Any], refs: Sequence[LeaseRef], *, table: TableLike = None
+) -> set[int]:
+    """The ids of ``refs`` that are ``done`` under that very lease version."""
+    if not refs:
+        return set()
+    params = {"ids": [r.id for r in refs], "versions": [r.lease_version for r in refs]}
+    return {row[0] for row in conn.execute(queries(table).done_under, params).fetchall()}
 
 
 def mark_done(
