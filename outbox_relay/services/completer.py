@@ -55,7 +55,7 @@ from .. import store
 from ..db import Database
 from ..model import Claimed, Outcome
 from ..table import OutboxTable
-from .observer import Observer, bind
+from .observer import Observer, bind, lost_after_publish
 
 __all__ = ["Completer"]
 
@@ -209,13 +209,7 @@ class Completer:
                 continue
             # Re-claimed by another worker since the publish (or the same
             # lease delivered twice by a duplicated task): not ours to finish.
-            d.observer.lost_lease(d.claimed.ref, "finalize")
-            log.warning(
-                "lost lease on outbox message %s v%s: it was published but another worker "
-                "holds it now; the receiver de-duplicates on its idempotency key",
-                d.claimed.id,
-                d.claimed.lease_version,
-            )
+            lost_after_publish(d.observer, d.claimed, d.outcome)
 
     def _done_before(self, unchanged: Sequence[_Done]) -> set[int]:
         """Rows a failed write did finish after all (the connection was cut

@@ -48,7 +48,7 @@ from ..table import OutboxTable
 from ..tracing import PublishTracer, default_tracer
 from .completer import FULL_ROWS, Completer
 from .keeper import Hold, LeaseKeeper
-from .observer import Observer
+from .observer import Observer, lost_after_publish
 from .policy import RetryPolicy, classify
 
 __all__ = [
@@ -566,14 +566,7 @@ class Deliverer:
             self.observer.published(row.claimed, outcome, seconds)
             if outcome.id not in changed:
                 report.lost += 1
-                self.observer.lost_lease(row.claimed.ref, "finalize")
-                log.warning(
-                    "lost lease on outbox message %s v%s: it was published (%s) but another "
-                    "worker holds it now; the receiver de-duplicates on its idempotency key",
-                    row.claimed.id,
-                    row.claimed.lease_version,
-                    outcome.status,
-                )
+                lost_after_publish(self.observer, row.claimed, outcome)
                 continue
             self.observer.finalized(row.claimed, outcome, row.age_seconds + seconds)
             report.outcomes.append(outcome)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, cast
 
 from ..model import Claimed, LeaseRef, Outcome
 
-__all__ = ["Observer", "bind"]
+__all__ = ["Observer", "bind", "lost_after_publish"]
+
+log = logging.getLogger("outbox_relay.deliverer")
 
 
 class Observer(Protocol):
@@ -24,3 +27,16 @@ def bind(observer: Observer) -> Observer:
     name the task running here), else itself."""
     bound = getattr(observer, "bound", None)
     return cast(Observer, bound()) if callable(bound) else observer
+
+
+def lost_after_publish(observer: Observer, msg: Claimed, outcome: Outcome) -> None:
+    """Report a published row whose fenced finalize matched nothing: another
+    worker holds it now (the same words from the task and the completer)."""
+    observer.lost_lease(msg.ref, "finalize")
+    log.warning(
+        "lost lease on outbox message %s v%s: it was published (%s) but another worker "
+        "holds it now; the receiver de-duplicates on its idempotency key",
+        msg.id,
+        msg.lease_version,
+        outcome.status,
+    )
