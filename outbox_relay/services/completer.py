@@ -82,7 +82,7 @@ class _Done:
     # hand-over knew: written again after a failure until then, and given up
     # after (the rescuer frees the row and it is delivered again).
     lease_ends: float
-    # Bound to the delivery task that handed it over (deliverer.bind): a lost
+    # Bound to the delivery task that handed it over (observer.bind): a lost
     # lease is reported for that task, which has returned by then.
     observer: Observer
     # A write of it failed before: that write may have committed all the same.
