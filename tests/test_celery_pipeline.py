@@ -339,12 +339,12 @@ def test_a_duplicate_delivery_reuses_the_task_id(pipeline_dsn, procs) -> None:
 
 
 # ------------------------------------------------------------------- item 5e
-def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
+def _recording_worker(dsn: str, procs: Any, broker: str, **env: str) -> Any:
+    """The standalone app's worker publishing to tests.apps.recording."""
     from .apps.recording import DDL
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(DDL)
-    broker = services.redis_url()
     p = procs(
         dsn,
         broker,
@@ -352,20 +352,32 @@ def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
         RECORDING_DSN=dsn,
         OUTBOX_PUBLISHER="tests.apps.recording:publish",
         OUTBOX_CLAIM_INTERVAL_SECONDS="1",
+        **env,
     )
-    worker = p.worker()
-    ours = pool_pids(worker)  # the broker is shared: only our worker's events
+    return p.worker()
+
+
+def _our_events(tap: EventTap, worker: Any, kind: str, message_id: int) -> list[dict[str, Any]]:
+    """Wait for ``kind`` events about ``message_id`` from this worker's pool
+    (the broker is shared: another test's worker may send the same kind)."""
+    ours = pool_pids(worker)
+    return wait_for(
+        lambda: [
+            e
+            for e in tap.of_type(kind)
+            if e.get("outbox_id") == message_id and e.get("pid") in ours
+        ],
+        timeout=60,
+        what=f"{kind}\n{worker.text()[-3000:]}",
+    )
+
+
+def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
+    broker = services.redis_url()
+    worker = _recording_worker(dsn, procs, broker)
     with EventTap(_client(broker)) as tap:
         message_id = _enqueue(dsn, 9, {"fail": "permanent", "email": "x@example.com"})
-        dead = wait_for(
-            lambda: [
-                e
-                for e in tap.of_type("task-outbox-dead")
-                if e.get("outbox_id") == message_id and e.get("pid") in ours
-            ],
-            timeout=60,
-            what=f"task-outbox-dead\n{worker.text()[-3000:]}",
-        )
+        dead = _our_events(tap, worker, "task-outbox-dead", message_id)
     assert _status(dsn, message_id) == "dead"
     event = dead[0]
     assert event["lease_version"] == 1 and event["event_type"] == "order.paid"
@@ -381,33 +393,12 @@ def test_a_lease_lost_after_the_task_returned_is_sent_as_its_event(dsn, procs) -
     """A single message's done is written by its process's completer after
     the deliver task returned; a lease found lost then is still reported in
     Flower, on behalf of that task."""
-    from .apps.recording import DDL
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(DDL)
     broker = services.redis_url()
-    p = procs(
-        dsn,
-        broker,
-        app="outbox_relay.app",
-        RECORDING_DSN=dsn,
-        OUTBOX_PUBLISHER="tests.apps.recording:publish",
-        OUTBOX_CLAIM_INTERVAL_SECONDS="1",
-        OUTBOX_FINALIZE_WINDOW_SECONDS="0.5",  # the task returns long before the write
-    )
-    worker = p.worker()
-    ours = pool_pids(worker)
+    # The task returns long before the completer's write.
+    worker = _recording_worker(dsn, procs, broker, OUTBOX_FINALIZE_WINDOW_SECONDS="0.5")
     with EventTap(_client(broker)) as tap:
         message_id = _enqueue(dsn, 12, {"steal": True})
-        lost = wait_for(
-            lambda: [
-                e
-                for e in tap.of_type("task-outbox-lost-lease")
-                if e.get("outbox_id") == message_id and e.get("pid") in ours
-            ],
-            timeout=60,
-            what=f"task-outbox-lost-lease\n{worker.text()[-3000:]}",
-        )
+        lost = _our_events(tap, worker, "task-outbox-lost-lease", message_id)
         succeeded = [e for e in tap.of_type("task-succeeded") if e.get("uuid") == lost[0]["uuid"]]
     assert lost[0]["lease_version"] == 1
     assert lost[0]["uuid"], "sent on behalf of the deliver task"
