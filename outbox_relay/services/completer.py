@@ -125,11 +125,11 @@ class Completer:
         """Hand over published messages' ``done``, each with its age and the
         seconds its lease has left; written within ``window`` seconds, or at
         once when FULL_ROWS are gathered."""
+        if not handed:
+            return
         now = time.monotonic()
         observer = bind(self.observer)
         batch = [_Done(c, o, age, now + left, observer) for c, o, age, left in handed]
-        if not batch:
-            return
         with self._lock:
             if not self._closed:
                 if self._pid != os.getpid():
