@@ -30,8 +30,10 @@ from celery.exceptions import AlwaysEagerIgnored
 
 import outbox_relay
 from outbox_relay import Message
+from outbox_relay.celery.events import TaskEvents
 from outbox_relay.errors import ConfigError
 from outbox_relay.inbox import InboxTask
+from outbox_relay.model import Claimed, LeaseRef, Outcome
 from outbox_relay.publishers import CeleryTaskPublisher, resolve_publisher
 
 from . import services
@@ -407,6 +409,20 @@ def test_a_lease_lost_after_the_task_returned_is_sent_as_its_event(dsn, procs) -
     # Not finished under the lost lease: the row waits for its new holder.
     assert _status(dsn, message_id) == "processing"
     assert "lost lease on outbox message" in worker.text()
+
+
+def test_task_events_outside_a_task_are_only_logged(caplog) -> None:
+    """The relay's observers in code that runs no task (the deliverer called
+    directly, a shell): a dead letter is logged, no event is sent, nothing
+    raises. Celery's ``current_task`` is a proxy there, never None."""
+    events = TaskEvents()
+    assert events.bound() is events  # nothing to bind to
+    dead = Outcome.dead(LeaseRef(7, 2), error="HTTP 400")
+    msg = Claimed(7, 2, 3, "order", "o-7", "order.created", {}, {})
+    with caplog.at_level(logging.ERROR, logger="outbox_relay.celery"):
+        events.finalized(msg, dead, 1.0)
+        events.lost_lease(LeaseRef(7, 2), "finalize")
+    assert "outbox message 7 v2 (order.created) is dead after 3 attempt(s)" in caplog.text
 
 
 # -------------------------------------------------------------------- item 2

@@ -27,8 +27,9 @@ class TaskEvents:
         from celery import current_task
 
         task = current_task
-        task_id = getattr(task.request, "id", None) if task is not None else None
-        if task is None or not task_id:
+        # A proxy, never None: false outside a task (a deliverer run directly).
+        task_id = getattr(task.request, "id", None) if task else None
+        if not task_id:
             return None
         return _Task(task.app, str(task_id), task.request.hostname)
 
