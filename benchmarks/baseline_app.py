@@ -30,6 +30,11 @@ app.conf.update(
 )
 
 
+if os.environ.get("BENCH_ACK_EMULATION") == "false":
+    # The like-for-like baseline of the relay's standalone app and of durable
+    # tasks on a worker of their own, which run without kombu's emulated acks.
+    app.conf.broker_transport_options = {"ack_emulation": False}
+
 counting.install()
 
 

@@ -410,8 +410,14 @@ class Bench:
 
 
 # ------------------------------------------------------------------ scenarios
-def ceiling(b: Bench, n: int, kind: str) -> Figure:
-    """Pre-queued plain Celery tasks: the most the broker and pool allow."""
+def ceiling(b: Bench, n: int, kind: str, *, ack_emulation: bool = True) -> Figure:
+    """Pre-queued plain Celery tasks: the most the broker and pool allow.
+
+    ``ack_emulation=False``: the Redis transport's emulated acks off, as the
+    relay's standalone app and a durable tasks' worker of their own run: the
+    like-for-like baseline of those rows (a plain task's worker needs them on
+    to get back the messages of a worker killed mid-task).
+    """
     from benchmarks.baseline_app import app
 
     with database(b.admin) as dsn:
@@ -432,6 +438,8 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
         env = celery_env(dsn, b.broker)
         env["BENCH_TIMELINE_DIR"] = str(folder / "timeline")
         env["BENCH_COUNT_DIR"] = str(folder / "counts")
+        if not ack_emulation:
+            env["BENCH_ACK_EMULATION"] = "false"
         runner = CeleryProcs(env, folder, app="benchmarks.baseline_app")
         probe = Probe(dsn)
         try:
@@ -470,7 +478,8 @@ def ceiling(b: Bench, n: int, kind: str) -> Figure:
                 time.sleep(0.02)
             seconds = time.monotonic() - t0
             window_end = time.time()
-            figure = Figure(f"celery {kind} task x{b.procs} (pre-queued)", n, seconds)
+            acks = "" if ack_emulation else ", Redis ack_emulation off"
+            figure = Figure(f"celery {kind} task x{b.procs} (pre-queued){acks}", n, seconds)
             cpu.charge(figure)
             if costs is not None:
                 costs.finish(figure, stop=runner.stop_all)
@@ -1102,6 +1111,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
             if want("ceiling") or want("durable"):
                 record("update", ceiling(b, n, "update"))
+                if not args.quick:
+                    # Like for like with the rows that run without emulated
+                    # acks (per-message in the standalone app, durable tasks
+                    # on a worker of their own).
+                    record("update_noack", ceiling(b, n, "update", ack_emulation=False))
             if want("ceiling"):
                 record("noop", ceiling(b, n, "noop"))
             if want("durable"):
@@ -1264,6 +1278,16 @@ def _report(
             ("per-message, ack_emulation on / Celery UPDATE task", "per_message_ack", "update"),
             ("durable task / Celery UPDATE task", "durable", "update"),
             ("durable task, ack_emulation off / Celery UPDATE task", "durable_noack", "update"),
+            (
+                "per-message / Celery UPDATE task, both ack_emulation off",
+                "per_message",
+                "update_noack",
+            ),
+            (
+                "durable task / Celery UPDATE task, both ack_emulation off",
+                "durable_noack",
+                "update_noack",
+            ),
             ("apply_async via outbox / on_commit apply_async", "canvas", "oncommit"),
             ("apply_async via outbox, chunked / on_commit", "canvas_chunked", "oncommit"),
         ]
