@@ -137,6 +137,10 @@ class Completer:
                     # gathered is the parent's to write.
                     self._pid, self._thread, self._pending = os.getpid(), None, []
                     self._retry_at = None
+                # The thread needs waking only to start a window (nothing was
+                # gathered) or to end one early (FULL_ROWS reached): a wake-up
+                # per hand-over cost a thread switch per delivered message.
+                wake = not self._pending or len(self._pending) + len(batch) >= FULL_ROWS
                 self._pending.extend(batch)
                 if self._thread is None:
                     # Started on first use, in the process that delivers (a
@@ -145,7 +149,8 @@ class Completer:
                         target=self._run, name="outbox-completer", daemon=True
                     )
                     self._thread.start()
-                self._gathered.notify()
+                if wake:
+                    self._gathered.notify()
                 return
         self._write(batch)  # shutting down: write it now rather than never
 
