@@ -3,6 +3,7 @@ a batch after the delivery returned, fenced as the delivery's own would be."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -126,6 +127,22 @@ def test_the_messages_of_one_window_are_written_by_one_statement(
     # One transaction stamped them all (now() is the transaction's clock).
     assert len({r[1] for r in rows}) == 1, rows
     assert sorted(i for i, _ in observer.finalized_rows) == ids
+    deliverer.close()
+
+
+def test_a_window_opens_again_for_a_message_handed_over_after_a_write(
+    conn: psycopg.Connection[Any], db: PoolDatabase
+) -> None:
+    """The thread sleeps between windows (it is not woken for every hand-over):
+    the first hand-over after a write wakes it, and that message is written a
+    window later, not when 100 more have gathered or at shutdown."""
+    deliverer, observer = relay(db, window=0.2)
+    for n in range(3):
+        [message_id] = enqueue_many(conn, [NewMessage("order", f"again-{n}", "order.paid", {})])
+        deliverer.deliver(claim(conn))
+        done = functools.partial(lambda i: status(conn, i)[0] == "done", message_id)
+        wait_for(done, timeout=5, what=f"window {n}")
+    assert len(observer.finalized_rows) == 3
     deliverer.close()
 
 
