@@ -3,7 +3,6 @@ a batch after the delivery returned, fenced as the delivery's own would be."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -140,8 +139,7 @@ def test_a_window_opens_again_for_a_message_handed_over_after_a_write(
     for n in range(3):
         [message_id] = enqueue_many(conn, [NewMessage("order", f"again-{n}", "order.paid", {})])
         deliverer.deliver(claim(conn))
-        done = functools.partial(lambda i: status(conn, i)[0] == "done", message_id)
-        wait_for(done, timeout=5, what=f"window {n}")
+        wait_for(lambda i=message_id: status(conn, i)[0] == "done", timeout=5, what=f"window {n}")
     assert len(observer.finalized_rows) == 3
     deliverer.close()
 
