@@ -1,4 +1,4 @@
-"""A webhook receiver for the publisher's connection figures (docs/benchmarks.md item 28).
+"""A webhook receiver for the publisher's connection figures (docs/benchmarks-changes.md item 28).
 
 An HTTP/1.1 keep-alive server on asyncio that answers every POST with 200
 after ``--delay`` seconds, optionally over TLS, and prints once a second how

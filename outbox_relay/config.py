@@ -491,7 +491,7 @@ class Settings(ProducerSettings):
     # and with the default lease and publish timeout chunks up to 1,024 fit.
     # A chunk waits for its slowest publish once per wave: at 64, chunks of
     # 200 with 20 ms publishes took four waves and did 8,100 a second on 4
-    # processes, in one wave 13,300 to 14,400 (docs/benchmarks.md item 26).
+    # processes, in one wave 13,300 to 14,400 (docs/benchmarks-changes.md item 26).
     # A chunk starts only the threads its publisher's pace needs (threads_at_once).
     publish_concurrency: int = 256
     idempotency_key_prefix: str = "outbox-"
@@ -512,7 +512,7 @@ class Settings(ProducerSettings):
     # Per-message delivery and chunks under 100 rows: a worker process writes
     # its deliveries' done in one fenced statement at most this long after
     # each task returned (0: each task writes its own before it returns). A
-    # fifth less CPU per message (docs/benchmarks.md, items 31 and 32); a
+    # fifth less CPU per message (docs/benchmarks-changes.md, items 31 and 32); a
     # process killed in that window leaves its rows to their leases, as one
     # killed before its own done would.
     finalize_window_seconds: float = 0.02

@@ -120,7 +120,7 @@ def test_a_client_that_vanishes_inside_a_transaction_releases_its_locks(dsn: str
 def test_relay_sessions_never_jit_compile_their_statements(dsn: str) -> None:
     # With PostgreSQL's defaults (jit on, jit_above_cost 100000) the planner
     # priced the claim of a table of some thousand rows past the threshold,
-    # and every claim spent half a second compiling itself (docs/benchmarks.md).
+    # and every claim spent half a second compiling itself (docs/benchmarks-changes.md item 5).
     params = {
         "owner": "w",
         "batch": 10,
@@ -162,7 +162,7 @@ def test_relay_sessions_count_live_leases_past_the_dead_entries_of_finished_ones
     # A finished lease leaves a dead entry in the leased-rows index until
     # VACUUM. A bitmap scan visits the heap page of each one every time: under
     # a steady stream the in-flight count behind every claim walked 50,000
-    # of them, 10 ms on average (docs/benchmarks.md). A relay session scans
+    # of them, 10 ms on average (docs/benchmarks-changes.md). A relay session scans
     # the index instead, and the btree marks what it found dead.
     with psycopg.connect(dsn, autocommit=True) as conn:
         # As between two autovacuum visits (one a minute at most).

@@ -78,7 +78,7 @@ def reuse_redis_clients() -> bool:
     borrows one from the pool per command), but redis-py's constructor
     builds its response-callback tables each time: about 120 us here,
     measured as a sixth of a relay worker's main process per task
-    (docs/benchmarks.md). Such a client is safe to share, so the channel
+    (docs/benchmarks-changes.md item 7). Such a client is safe to share, so the channel
     keeps the one it built for as long as its pool is the same. A defect of
     speed only: behaviour does not change (tests/test_compat.py). Returns
     whether the transport was patched now.

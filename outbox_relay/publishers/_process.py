@@ -112,7 +112,7 @@ class IdlePool(Generic[T]):
     thread within ``SWEEP_SECONDS`` after, when nothing is given back). There
     is no cap below the thread count: with one (16 links, or a shared
     client's 32), every chunk whose threads outnumbered it opened and closed
-    the rest again (docs/benchmarks.md items 28, 29). ``usable``: checked on
+    the rest again (docs/benchmarks-changes.md items 28, 29). ``usable``: checked on
     taking; an item that fails it is closed, not handed out (a connection
     the server closed while it sat idle).
     """

@@ -302,7 +302,7 @@ class WebhookPublisher:
         self._user_agent = _user_agent()
         # One client (one keep-alive connection) per publishing thread at a
         # time: a client shared by every thread scans its whole pool under one
-        # lock per request, which halved the rate (docs/benchmarks.md item 28).
+        # lock per request, which halved the rate (docs/benchmarks-changes.md item 28).
         self._clients: PerProcess[IdlePool[httpx.Client]] = PerProcess(
             lambda: IdlePool(httpx.Client.close)
         )

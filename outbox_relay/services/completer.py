@@ -3,7 +3,7 @@
 A per-message delivery (``outbox_relay.deliver``) used to end with a fenced
 ``done`` of its own: one statement and one commit per message, on top of the
 ``begin`` every delivery needs. Those commits, not the publishes, were a fifth
-of what a per-message delivery cost (docs/benchmarks.md, item 31). The
+of what a per-message delivery cost (docs/benchmarks-changes.md, item 31). The
 completer takes the ``done`` of a message that was published and writes the
 process's gathered ``done``\\ s in one fenced statement a few milliseconds later,
 from a thread of its own; the delivery task returns as soon as it has handed

@@ -150,7 +150,7 @@ SET synchronous_commit = off;
 -- ordering probe high once the table holds a few thousand rows, past
 -- jit_above_cost (PostgreSQL's default: JIT on); each claim then spent half a
 -- second compiling itself (seen in the durable-task benchmark: 560 ms of
--- 569 ms, docs/benchmarks.md). The relay's statements are short index
+-- 569 ms, docs/benchmarks-changes.md item 5). The relay's statements are short index
 -- probes that JIT can only slow down.
 --
 -- And no bitmap scans, for the same reason. A leased row that finished
