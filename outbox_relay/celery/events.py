@@ -26,12 +26,16 @@ class TaskEvents:
         """The delivery task the events are sent for: the one running in this thread."""
         from celery import current_task
 
-        task = current_task
-        # A proxy, never None: false outside a task (a deliverer run directly).
-        task_id = getattr(task.request, "id", None) if task else None
+        # The proxy looks the task up on every use: once here. None outside
+        # a task (a deliverer run directly).
+        task = current_task._get_current_object()
+        if task is None:
+            return None
+        request = task.request
+        task_id = getattr(request, "id", None)
         if not task_id:
             return None
-        return _Task(task.app, str(task_id), task.request.hostname)
+        return _Task(task.app, str(task_id), getattr(request, "hostname", None))
 
     def _send(self, kind: str, **fields: Any) -> None:
         task = self._task()

@@ -246,6 +246,13 @@ class Deliverer:
         # How long a publish has taken lately (None: not known yet); see _publish_all.
         self._publish_seconds: float | None = None
 
+    @property
+    def publish_seconds(self) -> float | None:
+        """How long a publish has taken lately (a moving average over chunks
+        published with threads; None until one was): how many threads the
+        next chunk starts with follows it (``threads_at_once``)."""
+        return self._publish_seconds
+
     def worst_seconds(self, size: int) -> float:
         """The longest a chunk of ``size`` may publish: its waves x the publish timeout."""
         return -(-max(size, 1) // self.concurrency) * self.publish_timeout
