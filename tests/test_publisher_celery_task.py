@@ -240,6 +240,37 @@ def test_broker_down_is_retryable(conn: psycopg.Connection) -> None:
     assert row["last_error"].startswith("retryable: RetryableError: task consumer.record_effect")
 
 
+def test_its_broker_url_wins_over_the_relays_broker_in_the_environment(
+    conn: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery reads CELERY_BROKER_URL (and CELERY_BROKER_WRITE_URL) from the
+    environment before any app's own broker, and the relay's worker is
+    started with it (the README's standalone app): a task meant for another
+    service's broker went, without a word, to the relay's own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        relay_broker = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nobody listens
+    monkeypatch.setenv("CELERY_BROKER_URL", relay_broker)
+    monkeypatch.setenv("CELERY_BROKER_WRITE_URL", relay_broker)
+    url = services.redis_url()
+    queue = f"their-broker-{uuid.uuid4().hex[:8]}"
+    publisher = CeleryTaskPublisher("consumer.record_effect", broker_url=url, queue=queue)
+    message_id = _enqueue(conn, 7)
+    dispatch_once(conn, publisher, owner="relay", lease=timedelta(seconds=30), publish_timeout=3)
+    row = store.get_row(conn, message_id)
+    assert row is not None
+    assert row["status"] == "done", row["last_error"]
+    # Read with kombu itself, which no Celery environment variable redirects.
+    import kombu
+
+    with kombu.Connection(url) as there:
+        channel = there.default_channel
+        assert channel.queue_declare(queue=queue, passive=True).message_count == 1
+        channel.queue_purge(queue)
+
+
 def test_an_app_of_its_own_keeps_the_worker_apps_pool_limit() -> None:
     """kombu keeps one connection-pool limit per process, reset by each app's
     first use of its pool; a pool in use that the reset would shrink raises

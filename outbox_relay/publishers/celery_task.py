@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -174,9 +175,10 @@ class CeleryTaskPublisher:
 
     # ------------------------------------------------------------------ app
     def _build_app(self) -> Any:
-        from celery import Celery, current_app
+        from celery import current_app
 
-        app = Celery("outbox_relay.task_publisher", broker=self._broker_url, set_as_current=False)
+        assert self._broker_url is not None
+        app = _broker_app_class()(self._broker_url)
         app.conf.update(
             task_serializer="json",
             accept_content=["json"],
@@ -462,3 +464,29 @@ def _broker_errors(app: Any) -> tuple[type[BaseException], ...]:
             return tuple(connection.connection_errors + connection.channel_errors)
     except Exception:  # the transport cannot even be loaded
         return ()
+
+
+@functools.cache
+def _broker_app_class() -> type[Any]:
+    # Made on first use: importing the publishers does not import Celery.
+    from celery import Celery
+
+    class BrokerApp(Celery):  # type: ignore[misc]
+        """A Celery app that sends to its own broker whatever the environment says.
+
+        Celery reads ``CELERY_BROKER_URL`` (and ``CELERY_BROKER_WRITE_URL``)
+        from the environment before an app's own broker setting, for every
+        app in the process, and the relay's worker is usually started with
+        the first: a task meant for another service's broker would quietly
+        go to the relay's own. Every connection this app writes through, its
+        producer pool's included, is made here, to ``broker_url``.
+        """
+
+        def __init__(self, broker_url: str) -> None:
+            super().__init__("outbox_relay.task_publisher", broker=broker_url, set_as_current=False)
+            self.outbox_broker_url = broker_url
+
+        def connection_for_write(self, url: Any = None, **kwargs: Any) -> Any:
+            return super().connection_for_write(url or self.outbox_broker_url, **kwargs)
+
+    return BrokerApp
