@@ -43,12 +43,17 @@ def as_bool(name: str, value: Any) -> bool:
 
 def as_number(kind: Callable[[Any], N], name: str, value: Any) -> N:
     """An int or float (``kind``), or ConfigError naming ``name``."""
-    if isinstance(value, bool):  # bool is an int to Python, never to a person
-        raise ConfigError(f"{name} must be a number, got {value!r}")
+    wanted = "a whole number" if kind is int else "a number"
+    # bool is an int to Python, never to a person; and int() would cut 2.5
+    # to 2 without a word.
+    if isinstance(value, bool) or (
+        kind is int and isinstance(value, float) and not value.is_integer()
+    ):
+        raise ConfigError(f"{name} must be {wanted}, got {value!r}")
     try:
         return kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        raise ConfigError(f"{name} must be {wanted}, got {value!r}") from None
 
 
 def as_names(name: str, value: Any) -> tuple[str, ...]:

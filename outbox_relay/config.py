@@ -29,7 +29,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, ClassVar, TypeVar
@@ -40,7 +40,11 @@ from .errors import ConfigError
 from .table import OutboxTable
 
 __all__ = [
+    "CELERY_SETTING",
+    "ENVIRONMENT",
+    "KEYWORD",
     "PUBLISHER_OPTION_PREFIXES",
+    "NameSource",
     "ProducerSettings",
     "Secret",
     "Settings",
@@ -48,6 +52,7 @@ __all__ = [
     "env_name",
     "hide_secrets",
     "refuse_unknown_environment",
+    "refuse_unknown_names",
 ]
 
 # Settings with these prefixes are options of one kind of publisher
@@ -201,7 +206,9 @@ class _Loadable:
                 Settings.field_names()
             )
             if unknown_here:
-                raise ConfigError(_unknown_message(sorted(unknown_here), set(names)))
+                raise ConfigError(
+                    _unknown_message(dict.fromkeys(unknown_here, KEYWORD), set(names))
+                )
         values: dict[str, Any] = {}
         for name, f in names.items():
             found, raw = _lookup(name, conf, environ, overrides)
@@ -270,16 +277,33 @@ def _is_publisher_option(name: str) -> bool:
     return name.startswith(PUBLISHER_OPTION_PREFIXES)
 
 
-def _unknown_message(unknown: list[str], known: set[str]) -> str:
+@dataclass(frozen=True)
+class NameSource:
+    """Where a setting's name was written, to name it as it was written there."""
+
+    where: str  # "keyword", "Celery setting"; "" for the environment
+    form: Callable[[str], str]  # chunk_size -> how it is spelled there
+
+    def __call__(self, name: str) -> str:
+        return f"{self.where} {self.form(name)}".strip()
+
+
+KEYWORD = NameSource("keyword", lambda name: name)
+CELERY_SETTING = NameSource("Celery setting", lambda name: f"outbox_{name}")
+ENVIRONMENT = NameSource("", lambda name: env_name(name))
+
+
+def _unknown_message(unknown: Mapping[str, NameSource], known: set[str]) -> str:
     parts = []
-    for name in unknown:
+    for name in sorted(unknown):
+        source = unknown[name]
         hint = _HINTS.get(name)
         if hint is None and name.startswith("broker_"):
-            hint = f"the kombu publisher's options are {env_name('kombu_' + name[7:])} and so on"
+            hint = f"the kombu publisher's options are {source.form('kombu_' + name[7:])} and so on"
         if hint is None:
             close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"did you mean {env_name(close[0])}?" if close else None
-        parts.append(f"{env_name(name)} ({hint})" if hint else env_name(name))
+            hint = f"did you mean {source.form(close[0])}?" if close else None
+        parts.append(f"{source(name)} ({hint})" if hint else source(name))
     return (
         f"unknown outbox setting(s): {', '.join(parts)}; every setting is listed in "
         "docs/configuration.md"
@@ -289,15 +313,24 @@ def _unknown_message(unknown: list[str], known: set[str]) -> str:
 def _refuse_unknown(
     known: set[str], conf: Any, environ: Mapping[str, str], overrides: Mapping[str, Any]
 ) -> None:
-    found: set[str] = set()
-    for key in overrides:
-        found.add(key)
-    for key in _conf_keys(conf):
-        if key.startswith("outbox_") and _conf_get(conf, key) is not None:
-            found.add(key[len("outbox_") :])
+    # Each name under the first source that has it (keyword, Celery, environment).
+    found: dict[str, NameSource] = {}
     for key in environ:
         if key.startswith("OUTBOX_") and not key.startswith(_TOOLING_PREFIXES):
-            found.add(key[len("OUTBOX_") :].lower())
+            found[key[len("OUTBOX_") :].lower()] = ENVIRONMENT
+    for key in _conf_keys(conf):
+        if key.startswith("outbox_") and _conf_get(conf, key) is not None:
+            found[key[len("outbox_") :]] = CELERY_SETTING
+    found.update(dict.fromkeys(overrides, KEYWORD))
+    refuse_unknown_names(found, known)
+
+
+def refuse_unknown_names(found: Mapping[str, NameSource], known: Iterable[str] = ()) -> None:
+    """Raise ``ConfigError`` for every name in ``found`` that is no setting,
+    each named as it was written (``keyword chunk_siz (did you mean
+    chunk_size?)``, ``OUTBOX_CHUNK_SIZ (did you mean OUTBOX_CHUNK_SIZE?)``).
+    ``known``: the settings (default: every relay setting)."""
+    known = set(known) or set(Settings.field_names())
 
     def is_known(name: str) -> bool:
         if name.endswith(_FILE) and not name.startswith(PUBLISHER_OPTION_PREFIXES):
@@ -306,7 +339,7 @@ def _refuse_unknown(
             return name[: -len(_FILE)] in known
         return name in known or name in _OTHER_NAMES or _is_publisher_option(name)
 
-    unknown = sorted(n for n in found if not is_known(n))
+    unknown = {name: source for name, source in found.items() if not is_known(name)}
     if unknown:
         raise ConfigError(_unknown_message(unknown, known))
 
@@ -403,14 +436,21 @@ def hide_secrets(conf: Any) -> None:
     through its ``repr``, which is the masked form; the relay reads the value
     inside. ``install()`` calls this when the app is configured, when a
     command imports the app's modules and when the relay reads its settings.
+
+    Upper-case ``OUTBOX_*`` keys too: an app configured from Django's
+    settings (``config_from_object("django.conf:settings", ...)``) shows
+    every setting of settings.py in the same places, the Django
+    integration's ``OUTBOX_DSN`` and ``OUTBOX_PUBLISHER`` among them. What
+    is replaced is Celery's copy; Django's settings, which that integration
+    reads, keep their values.
     """
     for key in _conf_keys(conf):
-        if not key.startswith("outbox_"):
+        if not key.lower().startswith("outbox_"):
             continue
         value = _conf_raw(conf, key)
         if value is None or isinstance(value, Secret):
             continue
-        concealed = conceal(key[len("outbox_") :], value)
+        concealed = conceal(key[len("outbox_") :].lower(), value)
         if concealed is not value:
             conf[key] = concealed
 

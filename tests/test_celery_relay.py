@@ -686,6 +686,8 @@ def test_beat_refuses_to_start_instead_of_running_an_empty_schedule(
     assert beat.popen.returncode != 0, beat.text()
     assert said in beat.text()
     assert "beat cannot start" in beat.text()
+    # Said once (it was also logged again as a WARNING, from SystemExit's message).
+    assert beat.text().count(said) == 1, beat.text()
 
 
 # --------------------------------------------------------------------------- helpers

@@ -15,10 +15,38 @@ def test_a_misspelled_setting_is_refused_with_the_closest_name() -> None:
         ConfigError, match=r"OUTBOX_LEASE_SECOND \(did you mean OUTBOX_LEASE_SECONDS"
     ):
         Settings.load({}, environ={"OUTBOX_LEASE_SECOND": "30"})
-    with pytest.raises(ConfigError, match=r"OUTBOX_CHUNK_SIZ .*OUTBOX_CHUNK_SIZE"):
+    # Each named as it was written: a Celery setting, a keyword.
+    with pytest.raises(
+        ConfigError,
+        match=r"Celery setting outbox_chunk_siz \(did you mean outbox_chunk_size\?\)",
+    ):
         Settings.load({"outbox_chunk_siz": 50}, environ={})
-    with pytest.raises(ConfigError, match="OUTBOX_BATCH_SIZ"):
+    with pytest.raises(ConfigError, match=r"keyword batch_siz \(did you mean batch_size\?\)"):
         Settings.load({}, environ={}, batch_siz=10)
+
+
+def test_install_refuses_a_misspelled_keyword_when_it_is_called() -> None:
+    # Not only when a worker or beat starts: a web process that installs the
+    # relay to send tasks through it would never see that.
+    from celery import Celery
+
+    import outbox_relay
+
+    app = Celery("misspelled")
+    with pytest.raises(ConfigError, match=r"keyword chunk_siz \(did you mean chunk_size\?\)"):
+        outbox_relay.install(app, chunk_siz=50)
+    assert not hasattr(app, "outbox_relay")  # nothing half installed
+
+
+@pytest.mark.parametrize("value", ["2.5", 2.5, True, "ten"])
+def test_a_count_must_be_a_whole_number(value: Any) -> None:
+    # int() would take 2.5 for 2, and True for 1, without a word.
+    with pytest.raises(ConfigError, match=r"OUTBOX_CHUNK_SIZE must be a whole number, got"):
+        Settings.load({}, environ={}, chunk_size=value)
+    assert Settings.load({}, environ={}, chunk_size=4.0).chunk_size == 4
+    assert Settings.load({}, environ={"OUTBOX_CHUNK_SIZE": "4"}).chunk_size == 4
+    # Seconds may have a fraction.
+    assert Settings.load({}, environ={}, lease_seconds="60.5").lease_seconds == 60.5
 
 
 def test_names_that_read_like_celery_settings_point_to_the_right_ones() -> None:

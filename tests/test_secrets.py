@@ -188,6 +188,31 @@ def test_the_example_celeryconfig_keeps_secrets_out_of_celery_report(
     assert "task_default_queue: 'outbox'" in done.stdout  # it is the example's report
 
 
+def test_a_django_projects_outbox_settings_are_masked_in_celery_report(
+    dsn: str, tmp_path: Path
+) -> None:
+    # A Celery app configured from Django's settings shows every setting of
+    # settings.py; the example project's, with OUTBOX_DSN added as the docs
+    # allow and OUTBOX_PUBLISHER from the environment as its settings.py reads it.
+    (tmp_path / "shop_secret_settings.py").write_text(
+        f"from shop.settings import *  # noqa\nOUTBOX_DSN = {with_password(dsn)!r}\n"
+    )
+    env = clean_env(
+        DJANGO_SETTINGS_MODULE="shop_secret_settings",
+        CELERY_BROKER_URL=services.redis_url(),
+        OUTBOX_PUBLISHER=f"amqp://relay:{BROKER_PASSWORD}@127.0.0.1//",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]),
+    )
+    project = ROOT / "examples" / "django_project"
+    done = celery_run(["report"], env, project, app="shop")
+    assert done.returncode == 0, done.stderr
+    assert_hidden(done.stdout + done.stderr, "celery report of a Django project")
+    # Masked, not dropped.
+    assert "OUTBOX_DSN: 'postgresql://postgres:****@" in done.stdout
+    assert "OUTBOX_PUBLISHER: 'amqp://relay:****@127.0.0.1//'" in done.stdout
+    assert "OUTBOX_LEASE_SECONDS: 30" in done.stdout  # it is the project's report
+
+
 # ------------------------------------------------- a running worker, for real
 @pytest.fixture
 def secret_relay(dsn: str, tmp_path: Path) -> Iterator[dict[str, Any]]:

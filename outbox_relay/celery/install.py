@@ -24,7 +24,7 @@ import kombu.entity
 from celery import signals
 
 from .. import _defaults
-from ..config import ProducerSettings, hide_secrets
+from ..config import KEYWORD, ProducerSettings, hide_secrets, refuse_unknown_names
 from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
 from ..outbox import Outbox
@@ -65,6 +65,9 @@ def install(
     options read as the relay's retry policy; ``task_annotations`` for
     ``outbox_relay.deliver`` override them.
     """
+    # A misspelled keyword is refused here, where it was written, not only
+    # when a worker or beat starts (a web process never would).
+    refuse_unknown_names(dict.fromkeys(settings, KEYWORD))
     existing = getattr(app, "outbox_relay", None)
     if isinstance(existing, Installation):
         return existing
@@ -227,8 +230,10 @@ def _check_beat(app: Any, inst: Installation) -> None:
         except ConfigError as exc:
             log.critical("outbox-relay: beat cannot start: %s", exc)
             # Celery's signal dispatch swallows exceptions; SystemExit is not
-            # an Exception, so it stops beat with this status.
-            raise SystemExit(f"outbox-relay: {exc}") from None
+            # an Exception, so it stops beat with status 1. A status, not the
+            # message: Python would print that to stderr, which beat logs
+            # again as a WARNING line.
+            raise SystemExit(1) from None
 
     signals.beat_init.connect(on_beat_init, weak=False)
 

@@ -131,6 +131,23 @@ class OutboxTests(TransactionTestCase):
         with self.assertRaisesMessage(ConfigError, "set OUTBOX_TABLE in settings.py"):
             install(Celery("other"), table="elsewhere")
 
+    def test_a_misspelled_setting_is_named_where_it_was_written(self) -> None:
+        from celery import Celery
+        from django.test import override_settings
+
+        from outbox_relay import ConfigError
+        from outbox_relay.integrations.django import install
+
+        with override_settings(OUTBOX_CHUNK_SIZ=50):
+            with self.assertRaisesMessage(
+                ConfigError, "settings.py OUTBOX_CHUNK_SIZ (did you mean OUTBOX_CHUNK_SIZE?)"
+            ):
+                install(Celery("misspelled"))
+        with self.assertRaisesMessage(
+            ConfigError, "keyword lease_second (did you mean lease_seconds?)"
+        ):
+            install(Celery("misspelled"), lease_second=30)
+
 
 class DeadLetterAdminTests(TransactionTestCase):
     url = "/admin/outbox/dead-letters/"

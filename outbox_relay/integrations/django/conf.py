@@ -17,7 +17,7 @@ from django.conf import settings as django_settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from ...config import ProducerSettings
+from ...config import KEYWORD, NameSource, ProducerSettings, env_name, refuse_unknown_names
 from ...errors import ConfigError
 from ...outbox import Outbox, configure
 
@@ -25,6 +25,7 @@ __all__ = ["database_alias", "install", "outbox", "relay_settings"]
 
 _PREFIX = "OUTBOX_"
 _DATABASE = "OUTBOX_DATABASE"
+_SETTINGS_PY = NameSource("settings.py", env_name)
 _PRODUCER_FIELDS = frozenset(ProducerSettings.field_names())
 _lock = threading.Lock()
 _outbox: Outbox | None = None
@@ -93,6 +94,10 @@ def install(app: Any, **overrides: Any) -> Any:
     """
     from ...celery.install import install as install_relay
 
+    # Misspellings named as written: in settings.py, or as a keyword here.
+    refuse_unknown_names(
+        {**dict.fromkeys(_from_settings(), _SETTINGS_PY), **dict.fromkeys(overrides, KEYWORD)}
+    )
     producer_keys = sorted(_PRODUCER_FIELDS.intersection(overrides))
     if producer_keys:
         raise ConfigError(
