@@ -194,6 +194,13 @@ def test_dead_list_filters(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert "payload" not in first
     text = ok(cli("dead", "list", dsn=dsn))
     assert "HTTP 422" in text and "invoice/i1" in text
+    assert "--json shows them whole" not in text
+    # A long reason (a receiver's whole body) is cut in the table, and says so.
+    long = "permanent: HTTP 400 " + "x" * 300
+    make_dead(conn, [alive], t0, long)
+    text = ok(cli("dead", "list", dsn=dsn))
+    assert "…" in text and "(last errors cut to 160 characters; --json shows them whole)" in text
+    assert json.loads(ok(cli("dead", "list", "--json", dsn=dsn)))[-1]["last_error"] == long
     assert "no dead messages match" in ok(cli("dead", "list", "--aggregate-id", "zz", dsn=dsn))
 
 

@@ -16,6 +16,8 @@ from .common import CliState, Duration, command_options, console, pass_state
 __all__ = ["dead_group"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# The table shows this much of each last_error (a webhook's body can be long).
+ERROR_SHOWN = 160
 
 
 def _filter_options(fn: F) -> F:
@@ -70,8 +72,11 @@ def dead_list_command(
     table = Table(title=f"dead messages in {state.table.qualified}", title_justify="left")
     for column in ("id", "event type", "aggregate", "attempts", "created", "last error"):
         table.add_column(column, overflow="fold")
+    cut = False
     for r in rows:
-        error = (r.last_error or "")[:160]
+        error = r.last_error or ""
+        if len(error) > ERROR_SHOWN:
+            error, cut = error[: ERROR_SHOWN - 1] + "…", True
         table.add_row(
             str(r.id),
             r.event_type,
@@ -81,6 +86,8 @@ def dead_list_command(
             error,
         )
     out.print(table)
+    if cut:
+        out.print(f"(last errors cut to {ERROR_SHOWN} characters; --json shows them whole)")
     if len(rows) == limit:
         out.print(f"(first {limit}; raise --limit or narrow the filters for more)")
 
