@@ -204,8 +204,10 @@ def _families() -> dict[str, GaugeMetricFamily]:
         ),
         "oldest": GaugeMetricFamily(
             "outbox_oldest_pending_age_seconds",
-            "Age (database clock) of the oldest message awaiting delivery (pending or "
-            "processing), from its created_at; 0 when none waits.",
+            "How long (database clock) the longest-waiting message has awaited delivery "
+            "(pending or processing): from when it was due if never tried (a message "
+            "scheduled for later is not waiting yet), else from its created_at; 0 when "
+            "none waits.",
         ),
         "expired": GaugeMetricFamily(
             "outbox_expired_leases",

@@ -84,7 +84,8 @@ def status_table(snapshot: dict[str, Any]) -> Table:
     for key in ("pending", "processing", "done", "dead"):
         table.add_row(f"{key} messages", str(snapshot[key]))
     age = snapshot["oldest_pending_age_seconds"]
-    shown = f"{human_duration(age)} ({age:.1f}s)" if age else "none"
+    # Under a minute human_duration is already in seconds: say it once.
+    shown = "none" if not age else human_duration(age) + (f" ({age:.1f}s)" if age >= 60 else "")
     table.add_row("oldest awaiting delivery", shown)
     table.add_row("expired leases", str(snapshot["expired_leases"]))
     attempts = snapshot["attempts"]

@@ -291,8 +291,10 @@ def test_purge_deletes_old_done_rows_in_batches(dsn: str, conn: psycopg.Connecti
         cli("purge", "--older-than", "7d", "--batch-size", "3", "--max-batches", "1", dsn=dsn)
     )
     assert "purged 3 done message(s)" in first and "in 1 batch(es) of at most 3" in first
+    assert "stopped at --max-batches, more are left (run it again)" in first
     rest = ok(cli("purge", "--older-than", "7d", "--batch-size", "3", dsn=dsn))
     assert "purged 4 done message(s)" in rest and "in 2 batch(es)" in rest  # 3 + 1
+    assert "more are left" not in rest
     left = {r[0]: r[1] for r in conn.execute("SELECT id, status FROM outbox")}
     assert set(left) == {*recent_ids, dead, pending}
     assert not set(old_ids) & set(left)

@@ -121,3 +121,43 @@ def test_argument_checks(conn: psycopg.Connection[Any]) -> None:
         operations.purge(conn, older_than=timedelta(days=1))
     with pytest.raises(ValueError, match="kind"):
         operations.grants("x", "admin")  # type: ignore[arg-type]
+
+
+def test_the_oldest_wait_counts_a_scheduled_message_from_when_it_is_due(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """``oldest_pending_age_seconds`` (status, and the gauge the delivery
+    alerts watch) is how long a message has waited for its delivery: one
+    enqueued with a delay is on time until it is due, and late from then on;
+    one tried before counts from when it was written (a failing receiver)."""
+
+    def oldest(at: Any) -> float:
+        return float(store.stats(conn, now=at)["oldest_pending_age_seconds"])
+
+    start = db_now(conn)
+    message = enqueue(
+        conn,
+        aggregate_type="order",
+        aggregate_id="o1",
+        event_type="order.remind",
+        payload={},
+        delay=timedelta(minutes=15),
+    )
+    assert oldest(start + timedelta(minutes=1)) == 0  # scheduled: nobody is late
+    assert oldest(start + timedelta(minutes=14)) == 0
+    assert 295 <= oldest(start + timedelta(minutes=20)) <= 305  # due 5 minutes ago
+    # Claimed, its first attempt under way: still counted from when it was due.
+    at = start + timedelta(minutes=20)
+    claimed = claim_all(conn, at)
+    assert 295 <= oldest(at) <= 305
+    # The receiver failed; back off for 10 minutes: from now on it counts from
+    # when it was written, backoff and all (its first due time is not kept).
+    assert store.reschedule(
+        conn,
+        claimed[message],
+        delay=timedelta(minutes=10),
+        error="retryable: HTTP 503",
+        refund_attempt=False,
+        now=at,
+    )
+    assert 1495 <= oldest(start + timedelta(minutes=25)) <= 1505

@@ -44,4 +44,5 @@ def purge_command(
         f"purged {result.deleted} done message(s) finished before "
         f"{result.cutoff.isoformat(timespec='seconds')} "
         f"in {result.batches} batch(es) of at most {batch_size}"
+        + ("; stopped at --max-batches, more are left (run it again)" if result.more_left else "")
     )

@@ -172,10 +172,13 @@ class Demo:
         self._step("webhook", f"{receiver.url} (503s, 429 + Retry-After, and a few 400s)")
 
         running = self._start_celery(folder, dsn, broker, receiver)
+        # Flower keeps only the task events it saw: started before the run,
+        # it shows the run's deliveries and dead letters, not just what follows.
+        flower_url = self._start_flower(running) if cfg.keep_running else None
         sample, settled = self._produce_and_watch(running)
         print_report(self.console, cfg, running, sample, settled)
         if cfg.keep_running and settled:
-            self._keep_running(running)
+            self._keep_running(running, flower_url)
         return 0 if settled else 1
 
     def _start_celery(self, folder: Path, dsn: str, broker: str, receiver: Receiver) -> Running:
@@ -311,7 +314,7 @@ class Demo:
         producer.join(timeout=10)
 
     # ------------------------------------------------------------ keep running
-    def _keep_running(self, running: Running) -> None:
+    def _keep_running(self, running: Running, flower_url: str | None) -> None:
         from .. import metrics
 
         console = self.console
@@ -324,7 +327,6 @@ class Demo:
         )
         self.stack.callback(exporter.close)
         self.started.append("the metrics exporter")
-        flower_url = self._start_flower(running)
         console.print()
         console.print("[bold]Still running[/]; press Ctrl-C to stop everything and clean up.")
         console.print(f"  metrics  http://127.0.0.1:{exporter.port}/metrics")

@@ -47,4 +47,6 @@ class Purger:
             if result.deleted < self.batch_size:
                 break
         assert first is not None  # max_batches >= 1
-        return store.PurgeResult(deleted=deleted, batches=batches, cutoff=first.cutoff)
+        return store.PurgeResult(
+            deleted=deleted, batches=batches, cutoff=first.cutoff, more_left=result.more_left
+        )

@@ -21,6 +21,17 @@
 -- than the number is worth. The done count is an uncorrelated subquery (an
 -- InitPlan), which PostgreSQL runs only when the CASE takes its branch.
 -- One statement, so every figure comes from the same snapshot.
+--
+-- oldest_pending_age_seconds is how long the longest-waiting message has
+-- waited for its delivery: a message never tried counts from when it became
+-- due (created_at, or a later available_at: a delay, countdown or eta), and
+-- a message scheduled for later does not count before then, so the alerts
+-- on this age never fire for messages that are on time. A message tried
+-- before (pending with an attempt, or processing a second one) counts from
+-- created_at: a receiver that keeps failing shows as a growing age, its
+-- backoff included. (Its first due time is not kept: one that was scheduled
+-- for later and then failed counts its delay too.) Each status is read
+-- through its own partial index, as the counts are.
 SELECT s.pending, s.processing,
        CASE WHEN %(exact_done_below)s::float8 IS NULL
               OR coalesce(s.reltuples, -1) < %(exact_done_below)s::float8
@@ -33,8 +44,15 @@ SELECT s.pending, s.processing,
                  WHERE status = 'processing'
                    AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
                coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
-                   (SELECT min(created_at) FROM {table} WHERE status = 'pending'),
-                   (SELECT min(created_at) FROM {table} WHERE status = 'processing'))), 0)::float8
+                   (SELECT min(CASE WHEN attempts > 0 THEN created_at
+                                    ELSE greatest(created_at, available_at) END)
+                      FROM {table}
+                     WHERE status = 'pending'
+                       AND (attempts > 0
+                            OR available_at <= coalesce(%(now)s::timestamptz, now()))),
+                   (SELECT min(CASE WHEN attempts > 1 THEN created_at
+                                    ELSE greatest(created_at, available_at) END)
+                      FROM {table} WHERE status = 'processing'))), 0)::float8
                    AS oldest_pending_age_seconds,
                (SELECT c.reltuples
                   FROM pg_class AS c

@@ -259,6 +259,8 @@ class PurgeResult:
     deleted: int
     batches: int
     cutoff: datetime
+    # Stopped by max_batches after a full batch: more old rows may be left.
+    more_left: bool = False
 
 
 def purge(
@@ -296,6 +298,7 @@ def purge(
     assert row is not None
     cutoff: datetime = row[0]
     deleted = batches = 0
+    more_left = False
     while max_batches is None or batches < max_batches:
         with conn.transaction():
             cur = conn.execute(q.op_purge_done, {"cutoff": cutoff, "batch": batch_size})
@@ -304,9 +307,10 @@ def purge(
         deleted += count
         if on_batch is not None:
             on_batch(count)
-        if count < batch_size:
+        more_left = count == batch_size
+        if not more_left:
             break
-    return PurgeResult(deleted=deleted, batches=batches, cutoff=cutoff)
+    return PurgeResult(deleted=deleted, batches=batches, cutoff=cutoff, more_left=more_left)
 
 
 # ---------------------------------------------------------------- metrics
