@@ -557,6 +557,15 @@ def test_options_that_cannot_go_through_the_outbox_are_refused() -> None:
             prepare_canvas(sig, options)
     with pytest.raises(InvalidMessage, match="a group takes no link"):
         prepare_canvas(group(sig, sig), {"link": sig})
+    # This call's own callbacks are checked like the canvas's (they were
+    # Celery's NotRegistered, without a "did you mean").
+    for key in ("link", "link_error"):
+        with pytest.raises(
+            InvalidMessage, match=r"no task named 'canvas\.stpe'.*did you mean 'canvas\.step'"
+        ):
+            prepare_canvas(sig, {key: user.app.signature("canvas.stpe")})
+    with pytest.raises(InvalidMessage, match=r"task 'canvas\.step': its arguments are not JSON"):
+        prepare_canvas(sig, {"link": user.step.s(Decimal("1"))})
     with pytest.raises(InvalidMessage, match="needs a Celery signature"):
         prepare_canvas(user.step, {})
     with pytest.raises(InvalidMessage, match="needs a psycopg 3 connection, a SQLAlchemy"):

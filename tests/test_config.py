@@ -207,3 +207,25 @@ def test_install_beat_false_leaves_the_schedule_to_the_user() -> None:
     later = Celery("later", broker="memory://", set_as_current=False)
     assert "outbox_relay.claim" not in later.tasks
     assert mine.tasks["outbox_relay.claim"] is not theirs.tasks["outbox_relay.claim"]
+
+
+def test_celery_retry_backoff_keeps_celerys_schedule() -> None:
+    """retry_backoff=N: the first retry waits N seconds, then 2N, 4N, as
+    Celery's own autoretry would (it was 2N, 4N, 8N); the relay's own
+    OUTBOX_BACKOFF_BASE_SECONDS keeps its base x 2^attempts."""
+    from datetime import timedelta
+
+    from outbox_relay.celery.options import retry_policy
+
+    settings = Settings.load({}, environ={}, backoff_base_seconds=3)
+
+    def delays(options: dict[str, Any]) -> list[float]:
+        policy = retry_policy(settings, {"retry_jitter": False, **options}, {})
+        return [policy.backoff(attempt).total_seconds() for attempt in (1, 2, 3)]
+
+    assert delays({"retry_backoff": 2}) == [2.0, 4.0, 8.0]
+    assert delays({"retry_backoff": True}) == [1.0, 2.0, 4.0]
+    assert delays({"retry_backoff": 2, "retry_backoff_max": 5}) == [2.0, 4.0, 5.0]
+    assert delays({}) == [6.0, 12.0, 24.0]  # the relay's own base, 3 s
+    constant = retry_policy(settings, {"retry_backoff": False, "default_retry_delay": 7}, {})
+    assert constant.backoff(3) == timedelta(seconds=7)

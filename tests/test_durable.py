@@ -211,6 +211,33 @@ def test_write_durable_refuses_what_it_cannot_run(dsn, conn) -> None:
     assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
 
 
+def test_apply_async_refuses_a_durable_task_where_it_would_run_untracked(conn) -> None:
+    """Inside a group, a chord, a callback or after a plain chain step, a
+    durable task would go out as part of a plain canvas and fail on its first
+    use of outbox_conn; apply_async refuses it while the transaction can
+    still roll back (write_durable refused the chain case already)."""
+    from celery import chain, chord, group
+
+    untracked = [
+        group(effect.s("a"), effect.s("b")),
+        chain(plain.s("x", "k"), effect.s("k")),
+        chord([effect.s("h")], plain.s("x")),
+        plain.s("x", "k").set(link=effect.s("j")),
+    ]
+    for sig in untracked:
+        with (
+            pytest.raises(InvalidMessage, match=r"durable\.effect is a DurableTask inside"),
+            conn.transaction(),
+        ):
+            outbox_relay.apply_async(conn, sig)
+    with (
+        pytest.raises(InvalidMessage, match=r"durable\.effect is a DurableTask inside"),
+        conn.transaction(),
+    ):
+        outbox_relay.apply_async(conn, plain.s("x", "k"), link_error=effect.s("j"))
+    assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
+
+
 def test_the_plain_loop_never_publishes_a_durable_row(dsn, conn) -> None:
     result = _write(dsn, effect.s("loop"))
     published: list[Any] = []
@@ -418,9 +445,10 @@ def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
     assert (done["status"], done["attempts"]) == ("done", 3)
     at = [r[2] for r in _runs(s.dsn, "flaky")]
     assert len(at) == 3
-    # No jitter: 2 s after the first failure, 4 s after the second (database time).
-    assert (at[1] - at[0]).total_seconds() >= 2.0
-    assert (at[2] - at[1]).total_seconds() >= 4.0
+    # No jitter, retry_backoff=1 on Celery's schedule: 1 s after the first
+    # failure, 2 s after the second (database time).
+    assert (at[1] - at[0]).total_seconds() >= 1.0
+    assert (at[2] - at[1]).total_seconds() >= 2.0
     assert [e[0] for e in _effects(s.dsn, "flaky")] == [retried.id]
 
     dead = _row(s.dsn, exhausted.id)
@@ -437,6 +465,7 @@ def test_failures_follow_the_tasks_own_retry_options(setup) -> None:
     lines = [
         f"outbox message {dead['id']} v1 (celery.durable) is dead",
         f"durable.boom[{broken.id}] raised unexpected: ValueError",
+        f"durable.flaky[{retried.id}] retry: rescheduled in the database, due in 1.0s",
         f"durable.flaky[{retried.id}] retry: rescheduled in the database, due in 2.0s",
     ]
     wait_for(lambda: all(x in worker.text() for x in lines), timeout=10, what="log lines")

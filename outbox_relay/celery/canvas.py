@@ -177,6 +177,22 @@ def _check_registered(sig: Any, app: Any) -> None:
             )
 
 
+def _check_not_durable(sig: Any, app: Any) -> None:
+    """Refuse a DurableTask anywhere in a canvas row: sent as part of a plain
+    canvas it would run untracked, and fail on its first use of outbox_conn.
+
+    A durable task alone, or a chain that begins with durable steps, is
+    written by ``celery.durable`` instead (``apply_async`` sends it there)."""
+    for node in walk(sig, app):
+        if _is_task(node) and getattr(app.tasks.get(node.task), "__outbox_durable__", False):
+            raise InvalidMessage(
+                f"apply_async: {node.task} is a DurableTask inside a group, a chord, a "
+                "callback or after a plain chain step, where it would run untracked and fail; "
+                "write it alone, or as a chain that begins with its durable steps "
+                "(docs/durable.md)"
+            )
+
+
 def _aware(value: datetime, app: Any) -> datetime:
     if value.tzinfo is None:
         # As Celery reads a naive eta or expires: in the app's timezone.
@@ -324,6 +340,10 @@ def prepare_canvas(
     timing.update((k, options.pop(k)) for k in ("countdown", "eta", "expires") if k in options)
     delay = _delay(timing.get("countdown"), timing.get("eta"), now, app)
     _set_options(work, options, timing.get("expires"), now, app)
+    # Again with this call's link and link_error options, now in the canvas.
+    _check_registered(work, app)
+    _check_json(work, app)
+    _check_not_durable(work, app)
     for node in walk(work, app, convert=True):
         if _is_task(node):
             # As Task.apply_async would at this call: the task's own routing

@@ -59,7 +59,8 @@ def retry_policy(
     """The relay's retry policy from Celery retry options (annotations win).
 
     ``max_retries`` -> attempts (max_retries + 1; None: no limit),
-    ``retry_backoff`` -> backoff base seconds (False: a constant
+    ``retry_backoff`` -> Celery's schedule: the first retry waits (up to)
+    that many seconds, then twice as long each time (False: a constant
     ``default_retry_delay``), ``retry_backoff_max`` -> cap, ``retry_jitter``
     -> full jitter on or off, ``autoretry_for`` -> classes treated as transient.
     """
@@ -76,8 +77,14 @@ def retry_policy(
         base = float(options.get("default_retry_delay", 180))
         cap = base
         jitter = bool(options.get("retry_jitter", False))
+    elif "retry_backoff" in options:
+        # Celery waits factor * 2**retries, retries counted from 0 at the
+        # first retry; the relay's backoff is base * 2**attempts, attempts
+        # counted from 1 after the first failure: the same schedule at half
+        # the factor (retry_backoff=2: 2 s, 4 s, 8 s, as Celery would).
+        base = (1.0 if backoff is True else float(backoff)) / 2.0
     else:
-        base = 1.0 if backoff is True else float(backoff)
+        base = float(backoff)  # the relay's own backoff_base_seconds
     return RetryPolicy(
         max_attempts=max_attempts,
         backoff_base=base,
