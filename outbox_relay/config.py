@@ -301,8 +301,10 @@ def _unknown_message(unknown: Mapping[str, NameSource], known: set[str]) -> str:
         if hint is None and name.startswith("broker_"):
             hint = f"the kombu publisher's options are {source.form('kombu_' + name[7:])} and so on"
         if hint is None:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"did you mean {source.form(close[0])}?" if close else None
+            # x_file is x read from a file: a misspelled x_file is matched on its x.
+            stem, tail = (name[: -len(_FILE)], _FILE) if name.endswith(_FILE) else (name, "")
+            close = difflib.get_close_matches(stem, sorted(known), n=1)
+            hint = f"did you mean {source.form(close[0] + tail)}?" if close else None
         parts.append(f"{source(name)} ({hint})" if hint else source(name))
     return (
         f"unknown outbox setting(s): {', '.join(parts)}; every setting is listed in "

@@ -23,6 +23,8 @@ def test_a_misspelled_setting_is_refused_with_the_closest_name() -> None:
         Settings.load({"outbox_chunk_siz": 50}, environ={})
     with pytest.raises(ConfigError, match=r"keyword batch_siz \(did you mean batch_size\?\)"):
         Settings.load({}, environ={}, batch_siz=10)
+    with pytest.raises(ConfigError, match=r"OUTBOX_DNS_FILE \(did you mean OUTBOX_DSN_FILE\?\)"):
+        Settings.load({}, environ={"OUTBOX_DNS_FILE": "/run/secrets/dsn"})
 
 
 def test_install_refuses_a_misspelled_keyword_when_it_is_called() -> None:

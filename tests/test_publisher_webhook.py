@@ -52,6 +52,9 @@ class Action:
     body: bytes = b'{"ok":true}'
     delay: float = 0.0
     drop: bool = False
+    # Answer with what the request carried (path and credentials), as some
+    # receivers' error pages do.
+    echo: bool = False
 
 
 @dataclass
@@ -97,12 +100,18 @@ class Server:
                     return
                 if action.delay:
                     time.sleep(action.delay)
+                body = action.body
+                if action.echo:
+                    sent = [
+                        self.headers.get(n, "") for n in ("Authorization", "X-Api-Key", "X-Sig")
+                    ]
+                    body = f"bad request {self.path} {' '.join(sent)}".encode()
                 self.send_response(action.status)
                 for name, value in action.headers.items():
                     self.send_header(name, value)
-                self.send_header("Content-Length", str(len(action.body)))
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(action.body)
+                self.wfile.write(body)
 
         class Listener(ThreadingHTTPServer):
             request_queue_size = 128  # a chunk's threads connect at once
@@ -559,3 +568,60 @@ def test_publisher_raises_the_classified_errors_directly(server: Server) -> None
     publisher(message)
     assert json.loads(server.received("direct")[0].body) == [1, 2, 3]
     publisher.close()
+
+
+def test_a_response_that_echoes_the_request_puts_no_credential_in_last_error(
+    server: Server,
+) -> None:
+    """last_error quotes a failed response's body (operators read it, the
+    operator role included): a receiver that echoes the request must not
+    carry the publisher's own credentials there."""
+    import base64
+
+    message = outbox_relay.Message(
+        id=11,
+        idempotency_key="outbox-11",
+        aggregate_type="order",
+        aggregate_id="echo",
+        event_type="order.paid",
+        payload={},
+        headers={},
+        attempts=1,
+        lease_version=1,
+        created_at=None,
+    )
+    host = server.url.removeprefix("http://")
+    publisher = WebhookPublisher(
+        f"http://alice:BasicPw4567@{host}/hook?token=QueryTok987",
+        headers={"X-Api-Key": "KeySecret123", "X-Sig": "Bearer BearTok456"},
+        secret=SECRET,
+        **FAST,
+    )
+    server.script("echo", Action(400, echo=True))
+    with pytest.raises(PermanentError) as failed:
+        publisher(message)
+    text = str(failed.value)
+    basic = base64.b64encode(b"alice:BasicPw4567").decode()
+    # The receiver did get them; the error does not repeat them.
+    request = server.received("echo")[0]
+    assert request.headers["Authorization"] == f"Basic {basic}"
+    assert "HTTP 400: bad request /hook?token=****" in text, text
+    for secret in ("BasicPw4567", basic, "QueryTok987", "KeySecret123", "BearTok456"):
+        assert secret not in text, text
+    publisher.close()
+
+
+def test_headers_that_frame_the_request_or_belong_to_the_relay_are_refused() -> None:
+    for name in ("Transfer-Encoding", "Host", "Content-Length", "Connection"):
+        with pytest.raises(ConfigError, match=f"may not set {name}: those frame the request"):
+            WebhookPublisher("https://example.test/hook", headers={name: "x"})
+    for name in ("Idempotency-Key", "Outbox-Message-Id", "webhook-signature", "Content-Type"):
+        with pytest.raises(ConfigError, match=f"may not set {name}: the relay sets it"):
+            WebhookPublisher("https://example.test/hook", headers={name: "x"})
+    # Credentials in the URL are sent as Basic auth: an Authorization header
+    # beside them was silently replaced.
+    with pytest.raises(ConfigError, match="Authorization too; give one of them"):
+        WebhookPublisher(
+            "https://u:pw@example.test/hook", headers={"Authorization": "Bearer abcdef"}
+        )
+    WebhookPublisher("https://example.test/hook", headers={"Authorization": "Bearer abcdef"})

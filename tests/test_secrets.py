@@ -38,6 +38,7 @@ from psycopg.conninfo import conninfo_to_dict
 import outbox_relay
 from outbox_relay import ConfigError
 from outbox_relay.config import Secret, Settings, hide_secrets
+from outbox_relay.publishers import resolve_publisher
 
 from . import services
 from .apps import kit
@@ -447,6 +448,10 @@ def test_a_bad_publisher_setting_is_reported_masked(spec: Any, dsn: str) -> None
         inst.validate()
     assert "OUTBOX_PUBLISHER" in str(caught.value)
     assert_hidden(str(caught.value), "the error")
+    # The same setting resolved by hand (resolve_publisher, the public API).
+    with pytest.raises(ConfigError) as caught:
+        resolve_publisher(spec)
+    assert_hidden(str(caught.value), "resolve_publisher's error")
 
 
 # ------------------------------------------------- connection errors, libpq
@@ -683,3 +688,29 @@ def test_the_inbox_dsn_is_masked_in_celery_settings_and_used_whole() -> None:
 
     # The task connects with the real password, not the mask.
     assert apply._inbox_dsn() == dsn
+
+
+def test_an_app_that_accepts_pickle_is_warned_about(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """install(app) leaves the app's accept_content to the app, but a worker
+    that accepts pickle runs the code of anyone who can write to its broker,
+    through the relay's tasks too: said at start (checked by validate)."""
+    import logging
+
+    def warnings_of(accept: list[str] | None) -> list[str]:
+        app = Celery(f"accepts-{uuid.uuid4().hex[:6]}", broker="memory://")
+        if accept is not None:
+            app.conf.accept_content = accept
+        inst = outbox_relay.install(
+            app, dsn=dsn, publisher="tests.apps.recording:publish", beat=False
+        )
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="outbox_relay"):
+            inst.validate()
+        return [r.getMessage() for r in caplog.records if "accept_content" in r.getMessage()]
+
+    [said] = warnings_of(["json", "pickle"])
+    assert "allows pickle" in said and "accept_content=['json']" in said
+    assert warnings_of(["application/x-python-serialize"])
+    assert warnings_of(None) == [] and warnings_of(["json", "msgpack"]) == []

@@ -320,6 +320,7 @@ class Installation:
         s = self.settings
         s.require_dsn()
         self._check_publisher()
+        _warn_unsafe_content(self.app)
         lease = s.lease_seconds
         worst = s.worst_delivery_seconds
         delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER
@@ -526,3 +527,23 @@ class Installation:
             if self._pid == os.getpid() and self._services is not None:
                 self._services.close()
             self._services = None
+
+
+# Content types whose decoding runs code: pickle.
+_UNSAFE_CONTENT = frozenset({"pickle", "application/x-python-serialize"})
+
+
+def _warn_unsafe_content(app: Any) -> None:
+    """Say so when the app accepts pickle: any process that can write to the
+    broker can then run code in this worker, through a message for any task,
+    the relay's own included (they need and send JSON only). It is the app's
+    setting, not the relay's, so a warning rather than a refusal."""
+    accept = app.conf.get("accept_content") or ["json"]
+    unsafe = sorted({str(kind) for kind in accept} & _UNSAFE_CONTENT)
+    if unsafe:
+        log.warning(
+            "outbox-relay: this Celery app's accept_content allows %s: whoever can write to "
+            "the broker can run code in this worker with a message for any task, the relay's "
+            "included; the relay needs only JSON (accept_content=['json'])",
+            ", ".join(unsafe),
+        )

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from .._redact import mask_spec, scrub
 from ..errors import ConfigError
 from ..model import Message
 
@@ -31,22 +32,28 @@ def import_object(spec: str, *, setting: str, what: str = "name", dotted: bool =
     """Import ``package.module:attribute`` (also ``package.module.attribute`` when
     ``dotted``); errors name ``setting``. One importer for every setting that
     names Python code (publishers, routing keys, argument builders, apps)."""
+    # A mistyped URL (amqp//user:pw@host//) reads as a module spec: whatever
+    # is shown of it, its password is not.
+    shown = mask_spec(spec)
     module_name, sep, attribute = spec.partition(":")
     if not sep and dotted:
         module_name, sep, attribute = spec.rpartition(".")
     if not sep or not module_name or not attribute:
-        raise ConfigError(f"{setting}={spec!r} must look like 'package.module:{what}'")
+        raise ConfigError(f"{setting}={shown!r} must look like 'package.module:{what}'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{setting}={spec!r}: cannot import {module_name!r}: {exc}") from exc
+        raise ConfigError(
+            f"{setting}={shown!r}: cannot import {module_name!r}: {scrub(str(exc), spec)}"
+        ) from exc
     target: Any = module
     for part in attribute.split("."):
         try:
             target = getattr(target, part)
         except AttributeError:
             raise ConfigError(
-                f"{setting}={spec!r}: module {module_name!r} has no attribute {attribute!r}"
+                f"{setting}={shown!r}: module {module_name!r} has no attribute "
+                f"{scrub(repr(attribute), spec)}"
             ) from None
     return target
 
@@ -55,7 +62,7 @@ def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:
     """Import ``package.module:attribute`` and check that it is callable."""
     target = import_object(spec, setting=setting, what="callable")
     if not callable(target):
-        raise ConfigError(f"{setting}={spec!r} is not callable")
+        raise ConfigError(f"{setting}={mask_spec(spec)!r} is not callable")
     return target  # type: ignore[no-any-return]
 
 

@@ -18,6 +18,7 @@ any other 4xx                           ``PermanentError`` with an excerpt of th
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import logging
@@ -33,7 +34,7 @@ from typing import Any
 import httpx
 
 from .._parse import as_bool, as_mapping, as_names, bool_or_same
-from .._redact import redact_url, scrub
+from .._redact import MASK, redact_url, scrub
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ._http import TOKEN, decode_secret, excerpt, header_value, parse_retry_after, sign
@@ -87,6 +88,25 @@ NEVER_FORWARDED = frozenset(
         "outbox-",
     }
 )
+# Configured headers (webhook_headers) may carry credentials, but never
+# frame the request (a Transfer-Encoding beside the Content-Length httpx
+# sets is the shape of request smuggling; a Host sends the request to
+# another virtual host) nor replace what the relay sets itself.
+_FRAMING_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "content-encoding",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+    }
+)
+_RELAY_HEADERS = ("content-type", "user-agent", "idempotency-key", "outbox-", "webhook-")
 # Configured header names (webhook_headers) that carry credentials, for the
 # plain-HTTP warning.
 _CREDENTIAL_WORDS = ("auth", "cookie", "token", "secret", "key", "password", "session", "signature")
@@ -282,6 +302,7 @@ class WebhookPublisher:
         bad = [k for k in self._static_headers if not TOKEN.fullmatch(k)]
         if bad:
             raise ConfigError(f"invalid webhook header name(s): {', '.join(sorted(bad))}")
+        _check_static_headers(self._static_headers)
         self.forward_headers = _forward_set(forward_headers)
         if isinstance(verify, str):
             verify = ssl.create_default_context(cafile=verify)
@@ -293,10 +314,22 @@ class WebhookPublisher:
         # httpx has none: httpx logs that URL with every request.
         target = httpx.URL(url)
         self._auth: httpx.Auth | None = None
+        secrets = _credentials(self._static_headers.values(), secret, parts)
         if target.username or target.password:
+            if any(k.lower() == "authorization" for k in self._static_headers):
+                raise ConfigError(
+                    f"webhook {self._where}: the URL's user and password are sent as Basic auth, "
+                    "and webhook_headers sets Authorization too; give one of them"
+                )
             self._auth = httpx.BasicAuth(target.username, target.password)
+            # What the request carries: "Basic base64(user:password)".
+            pair = f"{target.username}:{target.password}".encode()
+            secrets |= _credentials([f"Basic {base64.b64encode(pair).decode()}"], None, None)
             target = target.copy_with(username=None, password=None)
         self._target = target
+        # Never quoted back into last_error from a response that echoes the
+        # request (a receiver's 400 may repeat its headers): longest first.
+        self._secrets = sorted(secrets, key=len, reverse=True)
         _REDACT.register({url, str(target)})
         _install_redaction()
         self._user_agent = _user_agent()
@@ -527,6 +560,16 @@ class WebhookPublisher:
     def _scrub(self, text: str) -> str:
         return scrub(_REDACT.redact(text), self.url)
 
+    def _without_secrets(self, raw: bytes) -> bytes:
+        """A response body with this publisher's own credentials masked, before
+        any of it is quoted (a body cut short could keep part of one)."""
+        if not self._secrets:
+            return raw
+        text = raw.decode("utf-8", errors="replace")
+        for secret in self._secrets:
+            text = text.replace(secret, MASK)
+        return text.encode("utf-8")
+
     def _read(self, response: httpx.Response, limit: int, deadline: float) -> bytes:
         """Up to ``limit`` bytes of the body, without overrunning the deadline.
 
@@ -552,7 +595,7 @@ class WebhookPublisher:
     def _raise_for(
         self, status: int, raw: bytes, retry_after: str | None, location: str | None
     ) -> None:
-        quoted = excerpt(raw)
+        quoted = excerpt(self._without_secrets(raw))
         detail = f"webhook {self._where}: HTTP {status}" + (f": {quoted}" if quoted else "")
         if status in _RETRYABLE_4XX or 500 <= status < 600:
             delay = parse_retry_after(retry_after, cap=self.max_retry_after)
@@ -566,3 +609,43 @@ class WebhookPublisher:
         if 400 <= status < 500:
             raise PermanentError(detail)
         raise RetryableError(f"{detail} (unexpected status)")
+
+
+def _check_static_headers(headers: Mapping[str, str]) -> None:
+    framing = sorted(k for k in headers if k.lower() in _FRAMING_HEADERS)
+    if framing:
+        raise ConfigError(
+            f"webhook_headers may not set {', '.join(framing)}: those frame the request, which "
+            "the HTTP client does itself"
+        )
+    owned = sorted(k for k in headers if k.lower().startswith(_RELAY_HEADERS))
+    if owned:
+        raise ConfigError(
+            f"webhook_headers may not set {', '.join(owned)}: the relay sets it for every "
+            "message (content type, idempotency key, outbox metadata, signature)"
+        )
+
+
+# Shorter pieces would mask ordinary words of a response.
+_SHORTEST_SECRET = 4
+
+
+def _credentials(
+    values: Iterable[str], secret: str | bytes | None, url: urllib.parse.SplitResult | None
+) -> set[str]:
+    """What this publisher sends that is a credential: configured header
+    values (and the token after "Bearer", "Basic" ...), the signing secret,
+    the URL's password and query values."""
+    found: set[str] = set()
+    for value in values:
+        found.add(value)
+        scheme, _, token = value.partition(" ")
+        if token and scheme.isalpha():
+            found.add(token.strip())
+    if isinstance(secret, str):
+        found |= {secret.strip(), secret.strip().removeprefix("whsec_")}
+    if url is not None:
+        if url.password:
+            found.add(urllib.parse.unquote(url.password))
+        found |= {v for _, v in urllib.parse.parse_qsl(url.query)}
+    return {v for v in found if len(v) >= _SHORTEST_SECRET}
