@@ -316,11 +316,8 @@ class WebhookPublisher:
         self._auth: httpx.Auth | None = None
         secrets = _credentials(self._static_headers.values(), secret, parts)
         if target.username or target.password:
-            if any(k.lower() == "authorization" for k in self._static_headers):
-                raise ConfigError(
-                    f"webhook {self._where}: the URL's user and password are sent as Basic auth, "
-                    "and webhook_headers sets Authorization too; give one of them"
-                )
+            # Basic auth wins over an Authorization of webhook_headers, which
+            # applies to every route of a table: this route's URL chose.
             self._auth = httpx.BasicAuth(target.username, target.password)
             # What the request carries: "Basic base64(user:password)".
             pair = f"{target.username}:{target.password}".encode()
