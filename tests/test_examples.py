@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import psycopg
@@ -43,7 +44,14 @@ EXAMPLES = ROOT / "examples"
 def sqlalchemy_url(dsn: str, dialect: str) -> str:
     p = conninfo_to_dict(dsn)
     auth = p.get("user", "") + (f":{p['password']}" if p.get("password") else "")
-    return f"postgresql+{dialect}://{auth}@{p.get('host')}:{p.get('port', 5432)}/{p['dbname']}"
+    host, port = str(p.get("host", "")), p.get("port", 5432)
+    if host.startswith("/"):
+        # A unix socket (the embedded server's directory): SQLAlchemy takes it
+        # as a query parameter, for both drivers.
+        return f"postgresql+{dialect}://{auth}@/{p['dbname']}?" + urlencode(
+            {"host": host, "port": port}
+        )
+    return f"postgresql+{dialect}://{auth}@{host}:{port}/{p['dbname']}"
 
 
 def load_fastapi_example(database_url: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -75,11 +76,15 @@ def assert_hidden(text: str, where: str) -> None:
 
 
 def with_password(dsn: str, password_in_url: str = DB_PASSWORD_IN_URL) -> str:
-    """``dsn`` (key=value) as a URL carrying a password the server ignores."""
+    """``dsn`` (key=value) as a URL carrying a password the server ignores.
+
+    A unix-socket host (the embedded server's, a directory) is percent-encoded,
+    as libpq reads it in a URL's host part."""
     p = conninfo_to_dict(dsn)
+    host = quote(str(p.get("host", "127.0.0.1")), safe="")
     return (
         f"postgresql://{p.get('user', 'postgres')}:{password_in_url}@"
-        f"{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
+        f"{host}:{p.get('port', 5432)}/{p['dbname']}"
     )
 
 
