@@ -10,8 +10,10 @@ validation (``producer.prepare``) before anything is written, a savepoint
 inside the caller's transaction, the ``operation_key`` rules and
 ``OperationKeyConflict``, the ordering advisory lock, NOTIFY. They share the
 sync code's validation and statement plans (``store/_plan.py``); only the
-driver differs. ``conn`` is a ``psycopg.AsyncConnection`` or an asyncpg
-connection (SQLAlchemy's async session: ``outbox_relay.integrations.sqlalchemy``).
+driver differs. ``conn`` is a ``psycopg.AsyncConnection``, an asyncpg
+connection, or a SQLAlchemy ``AsyncSession`` / ``AsyncConnection`` (its
+driver's connection, in its transaction: ``integrations.sqlalchemy_asyncio``),
+as the sync ``apply_async`` takes a ``Session``.
 
 A configured ``Outbox`` offers the same as ``outbox.aio.enqueue(...)``.
 """
@@ -34,9 +36,19 @@ if TYPE_CHECKING:
 __all__ = ["AsyncOutbox", "apply_async", "enqueue", "enqueue_many", "migrate"]
 
 
+async def _driver(conn: Any) -> AsyncConn:
+    """The driver's connection of a SQLAlchemy ``AsyncSession`` or
+    ``AsyncConnection``, in its (begun) transaction; any other ``conn`` as it is."""
+    if type(conn).__module__.startswith("sqlalchemy."):
+        from .integrations.sqlalchemy_asyncio import driver_connection
+
+        return await driver_connection(conn)
+    return conn
+
+
 async def migrate(conn: AsyncConn, *, table: OutboxTable | str | None = None) -> list[int]:
     """Apply the migrations ``table`` lacks; the versions applied (see ``outbox_relay.migrate``)."""
-    return await store_aio.migrate(conn, table=table)
+    return await store_aio.migrate(await _driver(conn), table=table)
 
 
 async def enqueue_many(
@@ -65,7 +77,11 @@ async def enqueue_many(
     if not batch.rows:
         return []
     return await store_aio.insert_messages(
-        conn, batch.rows, table=batch.table, lock_keys=batch.lock_keys, notify=batch.notify
+        await _driver(conn),
+        batch.rows,
+        table=batch.table,
+        lock_keys=batch.lock_keys,
+        notify=batch.notify,
     )
 
 

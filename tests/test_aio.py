@@ -427,3 +427,43 @@ def test_aio_apply_async_writes_the_canvas_row_with_the_ids_it_returns(
     assert root == kept.parent.id
     assert kept.id in payload and kept.parent.id in payload
     assert dropped.id not in payload
+
+
+@pytest.mark.parametrize("dialect", ["psycopg", "asyncpg"])
+def test_aio_takes_a_sqlalchemy_async_session(dialect: str, dsn: str) -> None:
+    """outbox_relay.aio.apply_async and enqueue on a SQLAlchemy AsyncSession
+    (FastAPI's usual handle), as the sync apply_async takes a Session: they
+    write on its driver connection, in its transaction."""
+    from celery import chain
+
+    from .apps import canvas as user
+
+    async def creator() -> Any:
+        if dialect == "psycopg":
+            return await psycopg.AsyncConnection.connect(dsn)
+        return await asyncpg.connect(**asyncpg_kwargs(dsn))
+
+    async def write(commit: bool) -> tuple[Any, int]:
+        engine = create_async_engine(f"postgresql+{dialect}://", async_creator=creator)
+        try:
+            async with AsyncSession(engine) as session:
+                transaction = await session.begin()
+                result = await aio.apply_async(
+                    session, chain(user.step.s(tag="a"), user.step.s(tag="b"))
+                )
+                message_id = await aio.enqueue(
+                    session, aggregate_type="order", aggregate_id=1, event_type="e", payload={}
+                )
+                await (transaction.commit() if commit else transaction.rollback())
+                return result, message_id
+        finally:
+            await engine.dispose()
+
+    kept, kept_id = asyncio.run(write(commit=True))
+    asyncio.run(write(commit=False))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT id, event_type, aggregate_id FROM outbox ORDER BY id"
+        ).fetchall()
+    assert [(r[1], r[2]) for r in rows] == [("celery.apply_async", kept.parent.id), ("e", "1")]
+    assert rows[1][0] == kept_id
