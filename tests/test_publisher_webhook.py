@@ -185,6 +185,22 @@ def _make_due(conn: psycopg.Connection) -> None:
     conn.execute("UPDATE outbox SET available_at = now() WHERE status = 'pending'")
 
 
+def _message(message_id: int, aggregate_id: str, payload: Any) -> outbox_relay.Message:
+    """A first attempt at an order.paid message, for a publisher called directly."""
+    return outbox_relay.Message(
+        id=message_id,
+        idempotency_key=f"outbox-{message_id}",
+        aggregate_type="order",
+        aggregate_id=aggregate_id,
+        event_type="order.paid",
+        payload=payload,
+        headers={},
+        attempts=1,
+        lease_version=1,
+        created_at=None,
+    )
+
+
 def _row(conn: psycopg.Connection, message_id: int) -> dict[str, Any]:
     row = store.get_row(conn, message_id)
     assert row is not None
@@ -524,18 +540,7 @@ def test_tls_is_verified_by_default(tmp_path: Path) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     srv = Server(tls=context)
-    message = outbox_relay.Message(
-        id=1,
-        idempotency_key="outbox-1",
-        aggregate_type="order",
-        aggregate_id="tls",
-        event_type="order.paid",
-        payload={"a": 1},
-        headers={},
-        attempts=1,
-        lease_version=1,
-        created_at=None,
-    )
+    message = _message(1, "tls", {"a": 1})
     try:
         with pytest.raises(RetryableError, match="CERTIFICATE_VERIFY_FAILED"):
             WebhookPublisher(srv.url, **FAST)(message)
@@ -546,18 +551,7 @@ def test_tls_is_verified_by_default(tmp_path: Path) -> None:
 
 
 def test_publisher_raises_the_classified_errors_directly(server: Server) -> None:
-    message = outbox_relay.Message(
-        id=9,
-        idempotency_key="outbox-9",
-        aggregate_type="order",
-        aggregate_id="direct",
-        event_type="order.paid",
-        payload=[1, 2, 3],
-        headers={},
-        attempts=1,
-        lease_version=1,
-        created_at=None,
-    )
+    message = _message(9, "direct", [1, 2, 3])
     publisher = WebhookPublisher(server.url, **FAST)
     server.script("direct", Action(429, headers={"Retry-After": "7"}), Action(422), Action(204))
     with pytest.raises(RetryableError) as retry:
@@ -578,18 +572,7 @@ def test_a_response_that_echoes_the_request_puts_no_credential_in_last_error(
     carry the publisher's own credentials there."""
     import base64
 
-    message = outbox_relay.Message(
-        id=11,
-        idempotency_key="outbox-11",
-        aggregate_type="order",
-        aggregate_id="echo",
-        event_type="order.paid",
-        payload={},
-        headers={},
-        attempts=1,
-        lease_version=1,
-        created_at=None,
-    )
+    message = _message(11, "echo", {})
     host = server.url.removeprefix("http://")
     publisher = WebhookPublisher(
         f"http://alice:BasicPw4567@{host}/hook?token=QueryTok987",

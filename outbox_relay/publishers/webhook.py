@@ -62,36 +62,9 @@ _RETRYABLE_4XX = frozenset({408, 425, 429})
 # must not become the relay's credentials or override its metadata, so only
 # names an operator lists travel (webhook_forward_headers).
 DEFAULT_FORWARD_HEADERS = ("traceparent", "tracestate", "baggage")
-# Never taken from a message, even when listed: credentials, the headers that
-# frame the request (a wrong Content-Length would corrupt the connection),
-# and the relay's own metadata and signature. Names ending in "-" are prefixes.
-NEVER_FORWARDED = frozenset(
-    {
-        "authorization",
-        "proxy-",
-        "cookie",
-        "set-cookie",
-        "host",
-        "content-type",
-        "content-length",
-        "content-encoding",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "te",
-        "trailer",
-        "upgrade",
-        "expect",
-        "user-agent",
-        "idempotency-key",
-        "webhook-",
-        "outbox-",
-    }
-)
-# Configured headers (webhook_headers) may carry credentials, but never
-# frame the request (a Transfer-Encoding beside the Content-Length httpx
-# sets is the shape of request smuggling; a Host sends the request to
-# another virtual host) nor replace what the relay sets itself.
+# Headers that frame the request: the HTTP client sets them. A configured
+# Transfer-Encoding beside httpx's Content-Length is the shape of request
+# smuggling; a Host sends the request to another virtual host.
 _FRAMING_HEADERS = frozenset(
     {
         "host",
@@ -106,19 +79,28 @@ _FRAMING_HEADERS = frozenset(
         "expect",
     }
 )
+# What the relay sets for every message (names ending in "-" are prefixes):
+# neither a producer nor webhook_headers may replace it.
 _RELAY_HEADERS = ("content-type", "user-agent", "idempotency-key", "outbox-", "webhook-")
+# Never taken from a message, even when listed: credentials, the framing
+# headers and the relay's own metadata and signature.
+NEVER_FORWARDED = frozenset(
+    {"authorization", "proxy-", "cookie", "set-cookie", *_FRAMING_HEADERS, *_RELAY_HEADERS}
+)
 # Configured header names (webhook_headers) that carry credentials, for the
 # plain-HTTP warning.
 _CREDENTIAL_WORDS = ("auth", "cookie", "token", "secret", "key", "password", "session", "signature")
 _FORWARD_OPTION = "OUTBOX_WEBHOOK_FORWARD_HEADERS (webhook_forward_headers)"
 
 
-def _never_forwarded(name: str) -> bool:
+def _listed(name: str, entries: Iterable[str]) -> bool:
+    """Whether header ``name`` is one of ``entries`` (those ending in "-": a prefix)."""
     lower = name.lower()
-    return any(
-        lower.startswith(entry) if entry.endswith("-") else lower == entry
-        for entry in NEVER_FORWARDED
-    )
+    return any(lower.startswith(e) if e.endswith("-") else lower == e for e in entries)
+
+
+def _never_forwarded(name: str) -> bool:
+    return _listed(name, NEVER_FORWARDED)
 
 
 def _forward_set(value: str | Iterable[str] | None) -> frozenset[str]:
@@ -609,13 +591,13 @@ class WebhookPublisher:
 
 
 def _check_static_headers(headers: Mapping[str, str]) -> None:
-    framing = sorted(k for k in headers if k.lower() in _FRAMING_HEADERS)
+    framing = sorted(k for k in headers if _listed(k, _FRAMING_HEADERS))
     if framing:
         raise ConfigError(
             f"webhook_headers may not set {', '.join(framing)}: those frame the request, which "
             "the HTTP client does itself"
         )
-    owned = sorted(k for k in headers if k.lower().startswith(_RELAY_HEADERS))
+    owned = sorted(k for k in headers if _listed(k, _RELAY_HEADERS))
     if owned:
         raise ConfigError(
             f"webhook_headers may not set {', '.join(owned)}: the relay sets it for every "

@@ -138,11 +138,13 @@ class OutboxTests(TransactionTestCase):
         from outbox_relay import ConfigError
         from outbox_relay.integrations.django import install
 
-        with override_settings(OUTBOX_CHUNK_SIZ=50):
-            with self.assertRaisesMessage(
+        with (
+            override_settings(OUTBOX_CHUNK_SIZ=50),
+            self.assertRaisesMessage(
                 ConfigError, "settings.py OUTBOX_CHUNK_SIZ (did you mean OUTBOX_CHUNK_SIZE?)"
-            ):
-                install(Celery("misspelled"))
+            ),
+        ):
+            install(Celery("misspelled"))
         with self.assertRaisesMessage(
             ConfigError, "keyword lease_second (did you mean lease_seconds?)"
         ):
