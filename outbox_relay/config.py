@@ -51,6 +51,7 @@ __all__ = [
     "conceal",
     "env_name",
     "hide_secrets",
+    "refuse_bad_values",
     "refuse_unknown_environment",
     "refuse_unknown_names",
 ]
@@ -89,8 +90,8 @@ def env_name(name: str) -> str:
     return f"OUTBOX_{name.upper()}"
 
 
-def _coerce(name: str, annotation: Any, raw: Any) -> Any:
-    label = env_name(name)
+def _coerce(label: str, annotation: Any, raw: Any) -> Any:
+    """``raw`` as the field's type; ``label`` names the setting as it was given."""
     kind = str(annotation)
     if kind.startswith("float"):
         return as_number(float, label, raw)
@@ -211,9 +212,9 @@ class _Loadable:
                 )
         values: dict[str, Any] = {}
         for name, f in names.items():
-            found, raw = _lookup(name, conf, environ, overrides)
+            found, raw, label = _lookup(name, conf, environ, overrides)
             if found:
-                values[name] = _coerce(name, f.type, raw)
+                values[name] = _coerce(label, f.type, raw)
         if "publisher_options" in names:
             options = _publisher_options(conf, environ)
             options.update(values.get("publisher_options", {}))
@@ -231,8 +232,9 @@ class _Loadable:
 
 def _lookup(
     name: str, conf: Any, environ: Mapping[str, str], overrides: Mapping[str, Any]
-) -> tuple[bool, Any]:
-    """``(found, value)`` of setting ``name``: keyword, Celery setting, environment.
+) -> tuple[bool, Any, str]:
+    """``(found, value, label)`` of setting ``name``: keyword, Celery setting,
+    environment; ``label`` names it as that source spells it, for an error.
 
     At each of them ``name_file`` may stand for ``name``; the first source
     that has either wins.
@@ -244,7 +246,7 @@ def _lookup(
         _keyword_label,
     )
     if found:
-        return found, raw
+        return found, raw, KEYWORD(name)
     conf_value = _conf_get(conf, f"outbox_{name}")
     found, raw = _pick(
         name,
@@ -253,9 +255,12 @@ def _lookup(
         _conf_label,
     )
     if found:
-        return found, raw
+        return found, raw, CELERY_SETTING(name)
     key = env_name(name)
-    return _pick(name, (key in environ, environ.get(key)), environ.get(key + "_FILE"), env_name)
+    found, raw = _pick(
+        name, (key in environ, environ.get(key)), environ.get(key + "_FILE"), env_name
+    )
+    return found, raw, ENVIRONMENT(name)
 
 
 def _with_files(options: Mapping[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
@@ -325,6 +330,18 @@ def _refuse_unknown(
             found[key[len("outbox_") :]] = CELERY_SETTING
     found.update(dict.fromkeys(overrides, KEYWORD))
     refuse_unknown_names(found, known)
+
+
+def refuse_bad_values(values: Mapping[str, Any], source: NameSource) -> None:
+    """Raise ``ConfigError`` for the first value in ``values`` that is not of
+    its setting's type, named as ``source`` spells it (``settings.py
+    OUTBOX_CHUNK_SIZE must be a whole number``). For settings handed on as
+    keywords, which ``Settings.load`` would otherwise name as keywords."""
+    types = {f.name: f.type for f in fields(Settings)}
+    types.update((f.name, f.type) for f in fields(ProducerSettings))
+    for name, value in values.items():
+        if name in types:
+            _coerce(source(name), types[name], reveal(value))
 
 
 def refuse_unknown_names(found: Mapping[str, NameSource], known: Iterable[str] = ()) -> None:

@@ -37,18 +37,33 @@ def test_install_refuses_a_misspelled_keyword_when_it_is_called() -> None:
     app = Celery("misspelled")
     with pytest.raises(ConfigError, match=r"keyword chunk_siz \(did you mean chunk_size\?\)"):
         outbox_relay.install(app, chunk_siz=50)
+    with pytest.raises(ConfigError, match=r"keyword chunk_size must be a whole number, got 'x'"):
+        outbox_relay.install(app, chunk_size="x")
     assert not hasattr(app, "outbox_relay")  # nothing half installed
 
 
 @pytest.mark.parametrize("value", ["2.5", 2.5, True, "ten"])
 def test_a_count_must_be_a_whole_number(value: Any) -> None:
     # int() would take 2.5 for 2, and True for 1, without a word.
-    with pytest.raises(ConfigError, match=r"OUTBOX_CHUNK_SIZE must be a whole number, got"):
+    with pytest.raises(ConfigError, match=r"keyword chunk_size must be a whole number, got"):
         Settings.load({}, environ={}, chunk_size=value)
     assert Settings.load({}, environ={}, chunk_size=4.0).chunk_size == 4
     assert Settings.load({}, environ={"OUTBOX_CHUNK_SIZE": "4"}).chunk_size == 4
     # Seconds may have a fraction.
     assert Settings.load({}, environ={}, lease_seconds="60.5").lease_seconds == 60.5
+
+
+def test_a_bad_value_is_named_as_it_was_given() -> None:
+    # The value's own source, not always the environment variable: a keyword
+    # in install() or a line of celeryconfig.py is where the user looks.
+    with pytest.raises(ConfigError, match=r"^OUTBOX_BATCH_SIZE must be a whole number"):
+        Settings.load({}, environ={"OUTBOX_BATCH_SIZE": "lots"})
+    with pytest.raises(ConfigError, match=r"^Celery setting outbox_batch_size must be"):
+        Settings.load({"outbox_batch_size": "lots"}, environ={"OUTBOX_BATCH_SIZE": "500"})
+    with pytest.raises(ConfigError, match=r"^keyword lease_seconds must be a number"):
+        Settings.load({}, environ={}, lease_seconds="soon")
+    with pytest.raises(ConfigError, match=r"^Celery setting outbox_notify must be true or"):
+        Settings.load({"outbox_notify": "maybe"}, environ={})
 
 
 def test_names_that_read_like_celery_settings_point_to_the_right_ones() -> None:

@@ -24,7 +24,13 @@ import kombu.entity
 from celery import signals
 
 from .. import _defaults
-from ..config import KEYWORD, ProducerSettings, hide_secrets, refuse_unknown_names
+from ..config import (
+    KEYWORD,
+    ProducerSettings,
+    hide_secrets,
+    refuse_bad_values,
+    refuse_unknown_names,
+)
 from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
 from ..outbox import Outbox
@@ -65,9 +71,11 @@ def install(
     options read as the relay's retry policy; ``task_annotations`` for
     ``outbox_relay.deliver`` override them.
     """
-    # A misspelled keyword is refused here, where it was written, not only
-    # when a worker or beat starts (a web process never would).
+    # A misspelled keyword, or a value of the wrong type, is refused here,
+    # where it was written, not only when a worker or beat starts (a web
+    # process never would).
     refuse_unknown_names(dict.fromkeys(settings, KEYWORD))
+    refuse_bad_values(settings, KEYWORD)
     existing = getattr(app, "outbox_relay", None)
     if isinstance(existing, Installation):
         return existing

@@ -150,6 +150,27 @@ class OutboxTests(TransactionTestCase):
         ):
             install(Celery("misspelled"), lease_second=30)
 
+    def test_a_bad_value_is_named_where_it_was_written(self) -> None:
+        from celery import Celery
+        from django.test import override_settings
+
+        from outbox_relay import ConfigError
+        from outbox_relay.integrations.django import install
+
+        # settings.py's values reach the relay as keywords; the error still
+        # names the line of settings.py, not a keyword nobody wrote.
+        with (
+            override_settings(OUTBOX_CHUNK_SIZE=2.5),
+            self.assertRaisesMessage(
+                ConfigError, "settings.py OUTBOX_CHUNK_SIZE must be a whole number, got 2.5"
+            ),
+        ):
+            install(Celery("bad-value"))
+        with self.assertRaisesMessage(
+            ConfigError, "keyword lease_seconds must be a number, got 'soon'"
+        ):
+            install(Celery("bad-value"), lease_seconds="soon")
+
 
 class DeadLetterAdminTests(TransactionTestCase):
     url = "/admin/outbox/dead-letters/"

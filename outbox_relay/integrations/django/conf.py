@@ -17,7 +17,14 @@ from django.conf import settings as django_settings
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from ...config import KEYWORD, NameSource, ProducerSettings, env_name, refuse_unknown_names
+from ...config import (
+    KEYWORD,
+    NameSource,
+    ProducerSettings,
+    env_name,
+    refuse_bad_values,
+    refuse_unknown_names,
+)
 from ...errors import ConfigError
 from ...outbox import Outbox, configure
 
@@ -82,6 +89,7 @@ def outbox() -> Outbox:
     with _lock:
         if _outbox is None:
             producer = {k: v for k, v in _from_settings().items() if k in _PRODUCER_FIELDS}
+            refuse_bad_values(producer, _SETTINGS_PY)
             _outbox = configure(**producer)
         return _outbox
 
@@ -98,6 +106,9 @@ def install(app: Any, **overrides: Any) -> Any:
     refuse_unknown_names(
         {**dict.fromkeys(_from_settings(), _SETTINGS_PY), **dict.fromkeys(overrides, KEYWORD)}
     )
+    # settings.py's values reach the relay as keywords: check them here, so
+    # that a bad one is named where it was written.
+    refuse_bad_values(_from_settings(), _SETTINGS_PY)
     producer_keys = sorted(_PRODUCER_FIELDS.intersection(overrides))
     if producer_keys:
         raise ConfigError(
