@@ -62,11 +62,16 @@ def make_dead(conn: psycopg.Connection[Any], ids: list[int], at: datetime, error
 
 
 def backdate(conn: psycopg.Connection[Any], message_id: int, age: timedelta) -> None:
-    conn.execute("UPDATE outbox SET created_at = now() - %s WHERE id = %s", (age, message_id))
+    """The message as if written (and due) ``age`` ago."""
+    conn.execute(
+        "UPDATE outbox SET created_at = now() - %(age)s, waiting_since = now() - %(age)s"
+        " WHERE id = %(id)s",
+        {"age": age, "id": message_id},
+    )
 
 
 # What ``status`` and the gauges must report for ``scenario()`` (besides the
-# oldest age, about an hour).
+# oldest age, about three hours).
 EXPECTED = {
     "pending": 3,
     "processing": 1,
@@ -90,7 +95,7 @@ class Scenario:
 
 
 def scenario(conn: psycopg.Connection[Any]) -> Scenario:
-    """pending x3 (one retried once, one an hour old), processing x1 with an
+    """pending x3 (one retried once, one three hours old), processing x1 with an
     expired lease, done x1, dead x1."""
     t0 = datetime.now(timezone.utc) - timedelta(hours=2)
     ids = [add(conn, at=t0, aggregate_id=f"o{i}")[0] for i in range(6)]
@@ -107,7 +112,7 @@ def scenario(conn: psycopg.Connection[Any]) -> Scenario:
         assert store.reschedule(
             conn, claimed[i], delay=timedelta(0), error=None, refund_attempt=True, now=t0
         )
-    backdate(conn, ids[4], timedelta(hours=1))
+    backdate(conn, ids[4], timedelta(hours=3))  # the others are due since t0, 2 hours ago
     return Scenario(
         done=ids[0], dead=ids[1], processing=ids[2], retried=ids[3], fresh=ids[4:], oldest=ids[4]
     )

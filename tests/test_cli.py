@@ -82,7 +82,7 @@ def test_status_json_matches_rows(dsn: str, conn: psycopg.Connection[Any]) -> No
     assert set(snapshot) == {*EXPECTED, "oldest_pending_age_seconds"}
     age = snapshot.pop("oldest_pending_age_seconds")
     assert snapshot == EXPECTED
-    assert 3600 <= age < 3660
+    assert 10800 <= age < 10860
 
 
 def test_status_table_and_watch(dsn: str, conn: psycopg.Connection[Any]) -> None:
@@ -90,7 +90,7 @@ def test_status_table_and_watch(dsn: str, conn: psycopg.Connection[Any]) -> None
     text = ok(cli("status", dsn=dsn))
     assert "dead messages" in text and "expired leases" in text
     assert "0: 2, 1: 2" in text  # attempts distribution
-    assert "1h 00m" in text  # the backdated message's age
+    assert "3h 00m" in text  # the backdated message's age
     lines = ok(cli("status", "--json", "--watch", "0.1", "--count", "3", dsn=dsn)).splitlines()
     assert len(lines) == 3
     assert all(json.loads(line)["dead"] == 1 for line in lines)
@@ -123,6 +123,19 @@ def test_missing_table_suggests_migrate(fresh_database: str) -> None:
     result = cli("status", dsn=fresh_database)
     assert result.exit_code == 1
     assert "outbox-relay migrate" in result.output
+    # A table an earlier release migrated: a column of this one is missing.
+    ok(cli("migrate", dsn=fresh_database))
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        conn.execute("ALTER TABLE outbox DROP COLUMN waiting_since")
+        conn.execute("DELETE FROM outbox_migrations WHERE version = 8")
+    result = cli("status", dsn=fresh_database)
+    assert result.exit_code == 1
+    assert (
+        'column "waiting_since" does not exist: is the outbox public.outbox migrated to this '
+        "version? Run `outbox-relay migrate` first"
+    ) in result.output, result.output
+    assert "applied migration 8" in ok(cli("migrate", dsn=fresh_database))
+    assert ok(cli("status", dsn=fresh_database))
 
 
 def test_missing_dsn_is_a_usage_error() -> None:
@@ -312,7 +325,7 @@ def test_grant_prints_quoted_statements() -> None:
     relay = ok(cli("grant", "--role", "relay", "--kind", "relay"))
     # The relay changes only the dispatcher's columns (tests/test_security.py).
     assert 'GRANT SELECT, DELETE ON TABLE "public"."outbox" TO "relay";' in relay
-    assert "GRANT UPDATE (status, available_at, attempts, lease_owner, lease_until," in relay
+    assert "GRANT UPDATE (status, available_at, waiting_since, attempts, lease_owner," in relay
     assert "UPDATE ON TABLE" not in relay
     assert 'GRANT SELECT ON TABLE "public"."outbox_migrations" TO "relay";' in relay
     operator = ok(cli("grant", "--role", "ops", "--kind", "operator"))
@@ -344,7 +357,7 @@ def test_installed_script_status_json(dsn: str, conn: psycopg.Connection[Any]) -
     )
     assert done.returncode == 0, done.stderr
     snapshot = json.loads(done.stdout)
-    assert 3600 <= snapshot.pop("oldest_pending_age_seconds") < 3660
+    assert 10800 <= snapshot.pop("oldest_pending_age_seconds") < 10860
     assert snapshot == EXPECTED
 
 

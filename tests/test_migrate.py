@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -328,3 +329,89 @@ def test_begin_updates_rows_in_place(conn: psycopg.Connection[Any]) -> None:
     # snapshots hold back); the control never came near.
     assert with_room >= 0.15, (with_room, packed)
     assert with_room >= 3 * packed, (with_room, packed)
+
+
+def test_the_last_django_migration_brings_the_last_schema_migration() -> None:
+    # A Django project applies the outbox's migrations through its own
+    # (manage.py migrate); one that migrated with an earlier release gets a
+    # new schema migration only when a new Django migration runs the hook.
+    import importlib
+    import pkgutil
+
+    from outbox_relay.integrations.django import migrations as package
+
+    brought = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        brought[info.name] = module.OUTBOX_SCHEMA
+    last = max(brought)
+    assert brought[last] == LATEST, (
+        f"schema migration {LATEST} has no Django migration: add one after {last} "
+        "that runs outbox_relay.integrations.django.migrate.run"
+    )
+    assert list(brought.values()) == sorted(brought.values())
+
+
+def test_migration_8_leaves_old_rows_and_carries_column_grants_over(
+    fresh_database: str,
+) -> None:
+    # A table as migration 0007 left it, with a row in it and roles granted
+    # as `outbox-relay grant` did then: 0008 adds waiting_since empty for the
+    # old row (it counts as before), new rows get their due time, and each
+    # role keeps doing its job without being granted again.
+    table = OutboxTable()
+    producer, operator = (f"m8_{kind}_{uuid.uuid4().hex[:6]}" for kind in ("p", "o"))
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        outbox_relay.migrate(conn)
+        conn.execute("ALTER TABLE outbox DROP COLUMN waiting_since")
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE version = 8").format(table.related("migrations"))
+        )
+        old = conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
+            " VALUES ('o', '1', 'e', '{}') RETURNING id"
+        ).fetchone()[0]  # type: ignore[index]
+        for role in (producer, operator):
+            conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+        # The grants of 0.x before this migration, as `outbox-relay grant` wrote them.
+        conn.execute(
+            sql.SQL(
+                "GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers,"
+                " operation_key, ordered, available_at, content_hash) ON outbox TO {}"
+            ).format(sql.Identifier(producer))
+        )
+        conn.execute(
+            sql.SQL(
+                "GRANT SELECT (id, status, available_at, attempts), UPDATE (status, available_at,"
+                " attempts) ON outbox TO {}"
+            ).format(sql.Identifier(operator))
+        )
+        try:
+            assert outbox_relay.migrate(conn) == [8]
+            new = outbox_relay.enqueue(
+                conn, aggregate_type="o", aggregate_id="2", event_type="e", payload={},
+                delay=timedelta(minutes=5),
+            )  # fmt: skip
+            rows = dict(
+                conn.execute("SELECT id, waiting_since = available_at FROM outbox").fetchall()
+            )
+            privileges = {
+                (role, kind): conn.execute(
+                    "SELECT has_column_privilege(%s, 'outbox', 'waiting_since', %s)", (role, kind)
+                ).fetchone()[0]  # type: ignore[index]
+                for role in (producer, operator)
+                for kind in ("INSERT", "SELECT", "UPDATE")
+            }
+        finally:
+            for role in (producer, operator):
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    assert rows == {old: None, new: True}
+    assert privileges == {
+        (producer, "INSERT"): True,
+        (producer, "SELECT"): False,
+        (producer, "UPDATE"): False,
+        (operator, "INSERT"): False,
+        (operator, "SELECT"): True,
+        (operator, "UPDATE"): True,
+    }

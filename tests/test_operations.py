@@ -123,16 +123,21 @@ def test_argument_checks(conn: psycopg.Connection[Any]) -> None:
         operations.grants("x", "admin")  # type: ignore[arg-type]
 
 
+def oldest_at(conn: psycopg.Connection[Any], at: Any) -> float:
+    return float(store.stats(conn, now=at)["oldest_pending_age_seconds"])
+
+
 def test_the_oldest_wait_counts_a_scheduled_message_from_when_it_is_due(
     conn: psycopg.Connection[Any],
 ) -> None:
     """``oldest_pending_age_seconds`` (status, and the gauge the delivery
     alerts watch) is how long a message has waited for its delivery: one
-    enqueued with a delay is on time until it is due, and late from then on;
-    one tried before counts from when it was written (a failing receiver)."""
+    enqueued with a delay is on time until it is due, and late from then on,
+    its failures and backoff included; one an operator sent back from dead
+    waits from then (migration 0008, waiting_since)."""
 
     def oldest(at: Any) -> float:
-        return float(store.stats(conn, now=at)["oldest_pending_age_seconds"])
+        return oldest_at(conn, at)
 
     start = db_now(conn)
     message = enqueue(
@@ -150,8 +155,9 @@ def test_the_oldest_wait_counts_a_scheduled_message_from_when_it_is_due(
     at = start + timedelta(minutes=20)
     claimed = claim_all(conn, at)
     assert 295 <= oldest(at) <= 305
-    # The receiver failed; back off for 10 minutes: from now on it counts from
-    # when it was written, backoff and all (its first due time is not kept).
+    # The receiver failed; back off for 10 minutes: it goes on counting from
+    # when it was due, backoff and all, never from when it was written (the
+    # 15 minutes of its delay would have paged at once).
     assert store.reschedule(
         conn,
         claimed[message],
@@ -160,4 +166,39 @@ def test_the_oldest_wait_counts_a_scheduled_message_from_when_it_is_due(
         refund_attempt=False,
         now=at,
     )
-    assert 1495 <= oldest(start + timedelta(minutes=25)) <= 1505
+    assert 595 <= oldest(start + timedelta(minutes=25)) <= 605
+    # Dead for two days, then retried by an operator: it waits from the retry,
+    # and keeps doing so when that attempt fails too.
+    later = start + timedelta(minutes=30)
+    make_dead(conn, [message], later, "permanent: HTTP 400")
+    retried_at = later + timedelta(days=2)
+    assert operations.dead_retry(conn, [message], now=retried_at) == [message]
+    assert 0 <= oldest(retried_at + timedelta(minutes=1)) - 60 <= 5
+    again = claim_all(conn, retried_at)
+    assert store.reschedule(
+        conn, again[message], delay=timedelta(minutes=1), error="retryable: HTTP 503",
+        refund_attempt=False, now=retried_at,
+    )  # fmt: skip
+    assert 0 <= oldest(retried_at + timedelta(minutes=3)) - 180 <= 5
+
+
+def test_the_oldest_wait_of_a_row_written_before_migration_8(
+    conn: psycopg.Connection[Any],
+) -> None:
+    # Rows from before waiting_since count as they did: from their due time
+    # until tried, from created_at after.
+    start = db_now(conn)
+    message = enqueue(
+        conn, aggregate_type="order", aggregate_id="o1", event_type="order.remind",
+        payload={}, delay=timedelta(minutes=15),
+    )  # fmt: skip
+    conn.execute("UPDATE outbox SET waiting_since = NULL WHERE id = %s", (message,))
+    assert oldest_at(conn, start + timedelta(minutes=14)) == 0
+    assert 295 <= oldest_at(conn, start + timedelta(minutes=20)) <= 305
+    at = start + timedelta(minutes=20)
+    claimed = claim_all(conn, at)
+    assert store.reschedule(
+        conn, claimed[message], delay=timedelta(minutes=10), error="retryable: HTTP 503",
+        refund_attempt=False, now=at,
+    )  # fmt: skip
+    assert 1495 <= oldest_at(conn, start + timedelta(minutes=25)) <= 1505

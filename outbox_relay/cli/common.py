@@ -179,10 +179,12 @@ class CliState:
         try:
             with conn:
                 yield conn
-        except pg_errors.UndefinedTable as exc:
+        except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn) as exc:
+            # A missing column: a table migrated by an earlier release.
+            first_line = scrub(str(exc), dsn).strip().splitlines()[0]
             raise click.ClickException(
-                f"{scrub(str(exc), dsn).strip()}: is the outbox {self.table.qualified} "
-                "migrated? Run `outbox-relay migrate` first"
+                f"{first_line}: is the outbox {self.table.qualified} migrated to this "
+                "version? Run `outbox-relay migrate` first"
             ) from None
         except psycopg.Error as exc:
             raise click.ClickException(scrub(str(exc), dsn).strip()) from None

@@ -23,15 +23,16 @@
 -- One statement, so every figure comes from the same snapshot.
 --
 -- oldest_pending_age_seconds is how long the longest-waiting message has
--- waited for its delivery: a message never tried counts from when it became
--- due (created_at, or a later available_at: a delay, countdown or eta), and
--- a message scheduled for later does not count before then, so the alerts
--- on this age never fire for messages that are on time. A message tried
--- before (pending with an attempt, or processing a second one) counts from
--- created_at: a receiver that keeps failing shows as a growing age, its
--- backoff included. (Its first due time is not kept: one that was scheduled
--- for later and then failed counts its delay too.) Each status is read
--- through its own partial index, as the counts are.
+-- waited for its delivery, from waiting_since (migration 0008): when it
+-- became due (created_at, or later with a delay, countdown or eta), or when
+-- an operator retried it from dead. A message scheduled for later does not
+-- count before then, so the alerts on this age never fire for messages that
+-- are on time; one tried before (pending with an attempt, or processing a
+-- second one) goes on counting through its backoff, so a receiver that
+-- keeps failing shows as a growing age. Rows written before migration 0008
+-- have no waiting_since: untried, they count from their due time; tried,
+-- from created_at. Each status is read through its own partial index, as
+-- the counts are.
 SELECT s.pending, s.processing,
        CASE WHEN %(exact_done_below)s::float8 IS NULL
               OR coalesce(s.reltuples, -1) < %(exact_done_below)s::float8
@@ -44,14 +45,16 @@ SELECT s.pending, s.processing,
                  WHERE status = 'processing'
                    AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
                coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
-                   (SELECT min(CASE WHEN attempts > 0 THEN created_at
-                                    ELSE greatest(created_at, available_at) END)
+                   (SELECT min(coalesce(waiting_since,
+                                        CASE WHEN attempts > 0 THEN created_at
+                                             ELSE greatest(created_at, available_at) END))
                       FROM {table}
                      WHERE status = 'pending'
                        AND (attempts > 0
                             OR available_at <= coalesce(%(now)s::timestamptz, now()))),
-                   (SELECT min(CASE WHEN attempts > 1 THEN created_at
-                                    ELSE greatest(created_at, available_at) END)
+                   (SELECT min(coalesce(waiting_since,
+                                        CASE WHEN attempts > 1 THEN created_at
+                                             ELSE greatest(created_at, available_at) END))
                       FROM {table} WHERE status = 'processing'))), 0)::float8
                    AS oldest_pending_age_seconds,
                (SELECT c.reltuples
@@ -63,7 +66,7 @@ SELECT s.pending, s.processing,
 -- name: op_get_row
 -- One message with every column, for people and tests looking at a row.
 SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
-       created_at, status, available_at, attempts, lease_owner, lease_until,
+       created_at, status, available_at, waiting_since, attempts, lease_owner, lease_until,
        lease_version, last_error, done_at
   FROM {table}
  WHERE id = %(id)s;
@@ -94,14 +97,16 @@ SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
  LIMIT %(limit)s;
 
 -- name: op_dead_retry
--- dead -> pending, due now, with a fresh attempt budget. %(ids)s NULL means
+-- dead -> pending, due now, with a fresh attempt budget; it waits from now
+-- (waiting_since: its time as dead is the dead alert's). %(ids)s NULL means
 -- every dead row the filters match. lease_version is left alone on purpose:
 -- it is the fencing token and must only ever grow. last_error is kept, so the
 -- reason it died stays visible until the next attempt writes its own result.
 UPDATE {table} AS o
-   SET status       = 'pending',
-       attempts     = 0,
-       available_at = coalesce(%(now)s::timestamptz, now())
+   SET status        = 'pending',
+       attempts      = 0,
+       available_at  = coalesce(%(now)s::timestamptz, now()),
+       waiting_since = coalesce(%(now)s::timestamptz, now())
  WHERE o.status = 'dead'
    AND (%(ids)s::bigint[] IS NULL OR o.id = ANY(%(ids)s::bigint[]))
    AND (%(event_type)s::text IS NULL OR o.event_type = %(event_type)s::text)
@@ -162,7 +167,7 @@ SELECT set_config('statement_timeout', %(timeout)s, true);
 -- one for GENERATED ... AS IDENTITY.
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers, operation_key,
-              ordered, available_at, content_hash)
+              ordered, available_at, waiting_since, content_hash)
    ON TABLE {table} TO {{role}};
 GRANT SELECT (id, operation_key, content_hash) ON TABLE {table} TO {{role}};
 
@@ -175,8 +180,8 @@ GRANT SELECT (id, operation_key, content_hash) ON TABLE {table} TO {{role}};
 -- says (payload, headers, event type, aggregate, key), no DDL.
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT SELECT, DELETE ON TABLE {table} TO {{role}};
-GRANT UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version,
-              last_error, done_at, began_version)
+GRANT UPDATE (status, available_at, waiting_since, attempts, lease_owner, lease_until,
+              lease_version, last_error, done_at, began_version)
    ON TABLE {table} TO {{role}};
 GRANT SELECT ON TABLE {migrations} TO {{role}};
 
@@ -188,10 +193,11 @@ GRANT SELECT ON TABLE {migrations} TO {{role}};
 -- and delete finished rows. No INSERT, no lease columns, no DDL.
 GRANT USAGE ON SCHEMA {schema} TO {{role}};
 GRANT SELECT (id, aggregate_type, aggregate_id, event_type, operation_key, created_at, status,
-              available_at, attempts, lease_owner, lease_until, lease_version, last_error,
-              done_at, ordered)
+              available_at, waiting_since, attempts, lease_owner, lease_until, lease_version,
+              last_error, done_at, ordered)
    ON TABLE {table} TO {{role}};
-GRANT UPDATE (status, available_at, attempts, last_error, done_at) ON TABLE {table} TO {{role}};
+GRANT UPDATE (status, available_at, waiting_since, attempts, last_error, done_at)
+   ON TABLE {table} TO {{role}};
 GRANT DELETE ON TABLE {table} TO {{role}};
 GRANT SELECT ON TABLE {migrations} TO {{role}};
 

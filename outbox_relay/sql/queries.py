@@ -27,6 +27,9 @@ _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 def _identifiers(table: OutboxTable) -> dict[str, sql.Composable]:
     return {
         "table": table.identifier,
+        # The table's name as a string literal, for a migration's DO block
+        # ('"public"."outbox"'::regclass): quoted twice, as identifier and text.
+        "table_literal": sql.Literal(table.identifier.as_string()),
         "schema": sql.Identifier(table.schema),
         "migrations": table.related("migrations"),
         "inbox": table.related("inbox"),

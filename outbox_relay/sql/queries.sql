@@ -18,9 +18,10 @@
 -- another trace is still the same operation.
 INSERT INTO {table} AS o
        (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
-        available_at, content_hash)
+        available_at, waiting_since, content_hash)
 VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s::jsonb,
         %(headers)s::jsonb, %(operation_key)s, %(ordered)s,
+        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
         coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval,
         CASE WHEN %(operation_key)s::text IS NOT NULL
              THEN sha256(convert_to(jsonb_build_array(
@@ -41,9 +42,10 @@ RETURNING id;
 -- the digest expression is insert's.
 INSERT INTO {table} AS o
        (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
-        available_at, content_hash)
+        available_at, waiting_since, content_hash)
 SELECT r.aggregate_type, r.aggregate_id, r.event_type, r.payload::jsonb, r.headers::jsonb,
        r.operation_key, r.ordered, coalesce(%(now)s::timestamptz, now()) + r.delay,
+       coalesce(%(now)s::timestamptz, now()) + r.delay,
        CASE WHEN r.operation_key IS NOT NULL
             THEN sha256(convert_to(jsonb_build_array(
                      r.aggregate_type, r.aggregate_id, r.event_type,

@@ -4,7 +4,10 @@ The outbox's schema has its own numbered migrations (outbox_relay/sql/migrations
 recorded in its own table; this Django migration only calls them, so
 ``manage.py migrate`` and ``outbox-relay migrate`` give the same schema and
 either may run first. A release of outbox-relay that adds a schema migration
-adds a Django migration here that runs the same hook (it is idempotent).
+adds a Django migration here that runs the same hook (it is idempotent), so
+that ``manage.py migrate`` after an upgrade applies it; ``OUTBOX_SCHEMA`` is
+the last schema migration each one brings (tests/test_migrate.py checks that
+the last Django migration brings the last schema migration).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ def apply_outbox_migrations(apps: Any, schema_editor: Any) -> None:
     from outbox_relay.integrations.django.migrate import run
 
     run(schema_editor.connection)
+
+
+OUTBOX_SCHEMA = 7
 
 
 class Migration(migrations.Migration):  # type: ignore[misc]  # django ships no types
