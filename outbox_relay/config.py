@@ -91,8 +91,13 @@ def env_name(name: str) -> str:
 
 
 def _coerce(label: str, annotation: Any, raw: Any) -> Any:
-    """``raw`` as the field's type; ``label`` names the setting as it was given."""
+    """``raw`` as the field's type; ``label`` names the setting as it was given.
+
+    An empty value of an optional setting leaves it unset (``OUTBOX_OWNER=``
+    in a ``.env`` file, which compose passes on as it is)."""
     kind = str(annotation)
+    if kind.endswith("| None") and isinstance(raw, str) and not raw.strip():
+        return None
     if kind.startswith("float"):
         return as_number(float, label, raw)
     if kind.startswith("int"):

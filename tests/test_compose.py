@@ -26,6 +26,8 @@ SERVICES: dict[str, Any] = COMPOSE["services"]
 # ${VAR}, ${VAR:-default}, ${VAR:?error}; $${...} is escaped for the container's shell.
 INTERPOLATED = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)")
 REQUIRED = re.compile(r"^\$\{([A-Z_][A-Z0-9_]*):\?[^}]*\}$")
+# A secret that only some setups need: from .env, empty when it is not set.
+OPTIONAL = re.compile(r"^\$\{([A-Z_][A-Z0-9_]*):-\}$")
 SECRET_NAME = re.compile(r"PASSWORD|SECRET|AUTH|TOKEN")
 RELAY_SERVICES = ("migrate", "worker", "beat", "outbox-relay-metrics")
 
@@ -118,11 +120,21 @@ def test_relay_settings_exist_and_match_the_defaults() -> None:
             if key.startswith("OUTBOX_") and not key.startswith("OUTBOX_WEBHOOK_"):
                 assert key in names, f"{service}: {key} is not a relay setting"
                 default = re.fullmatch(r"\$\{\w+:-(.*)\}", value)
-                if default and default.group(1):
-                    # The compose fallback is the relay's own default ...
+                if default:
+                    # The compose fallback is the relay's own default (an
+                    # empty one leaves an optional setting unset) ...
                     assert Settings.load(environ={key: default.group(1)}) == defaults, key
                     # ... and so is the value .env.example suggests.
                     assert Settings.load(environ={key: example[key]}) == defaults, key
+
+
+def test_the_worker_is_passed_every_relay_setting() -> None:
+    # A setting written in .env reaches the relay only if compose passes it:
+    # .env itself only fills in the ${...} of docker-compose.yml.
+    passed = set(environment("worker"))
+    for f in fields(Settings):
+        name = f"OUTBOX_{f.name.upper()}"
+        assert name in passed, f"docker-compose.yml does not pass {name} to the worker"
 
 
 def test_every_variable_is_in_env_example() -> None:
@@ -136,8 +148,8 @@ def test_no_hard_coded_secrets() -> None:
     for name in SERVICES:
         for key, value in environment(name).items():
             if SECRET_NAME.search(key):
-                match = REQUIRED.match(value)
-                assert match, f"{name}: {key} must come from .env as ${{VAR:?...}}"
+                match = REQUIRED.match(value) or OPTIONAL.match(value)
+                assert match, f"{name}: {key} must come from .env as ${{VAR:?...}} or ${{VAR:-}}"
                 assert example[match.group(1)] == "", f".env.example ships a {key}"
             # Credentials inside URLs come from variables too.
             for password in re.findall(r"://[^/\s@]*:([^@/\s]*)@", value):

@@ -246,3 +246,14 @@ def test_celery_retry_backoff_keeps_celerys_schedule() -> None:
     assert delays({}) == [6.0, 12.0, 24.0]  # the relay's own base, 3 s
     constant = retry_policy(settings, {"retry_backoff": False, "default_retry_delay": 7}, {})
     assert constant.backoff(3) == timedelta(seconds=7)
+
+
+def test_an_empty_value_leaves_an_optional_setting_unset() -> None:
+    # OUTBOX_OWNER= in a .env file reaches the process as an empty string
+    # (docker compose passes ${OUTBOX_OWNER:-} on as it is).
+    empty = {"OUTBOX_OWNER": "", "OUTBOX_RESCUE_INTERVAL_SECONDS": " ",
+             "OUTBOX_DATABASE_TIMEOUT_SECONDS": "", "OUTBOX_PUBLISHER_OPTIONS": ""}  # fmt: skip
+    assert Settings.load({}, environ=empty) == Settings()
+    # A setting that is not optional still refuses it.
+    with pytest.raises(ConfigError, match="OUTBOX_LEASE_SECONDS must be a number"):
+        Settings.load({}, environ={"OUTBOX_LEASE_SECONDS": ""})

@@ -288,4 +288,8 @@ def test_the_metrics_command_listens_on_loopback_unless_told(tmp_path: Path) -> 
             fetch(int(found.group(2)))
         finally:
             exporter.terminate()
-            exporter.wait(10)
+            code = exporter.wait(10)
+        # SIGTERM handled, not the default action (-15): as a container's
+        # PID 1 an unhandled SIGTERM is ignored, and docker stop waits out
+        # its grace period before it kills the exporter.
+        assert code == 0, exporter.stderr.read() if exporter.stderr else code

@@ -457,6 +457,10 @@ def test_configuration_errors_name_the_setting() -> None:
         )
     with pytest.raises(ConfigError, match="whsec_"):
         WebhookPublisher("https://example.test/hook", secret="whsec_not base64!")
+    # docker-compose.yml passes OUTBOX_WEBHOOK_SECRET empty when .env leaves
+    # it out: refused, naming the variable, never an unsigned request.
+    with pytest.raises(ConfigError, match=r"OUTBOX_WEBHOOK_SECRET\) must not be empty"):
+        resolve_publisher("https://example.test/hook", webhook_secret="")
     with pytest.raises(ConfigError, match=r"OUTBOX_PUBLISHER\['order.\*'\]"):
         resolve_publisher({"order.*": "ftp://example.test/"})
     with pytest.raises(ConfigError, match="unexpected keyword"):

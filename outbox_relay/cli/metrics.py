@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 
@@ -62,8 +63,13 @@ def metrics_command(state: CliState, port: int, addr: str, database: bool, once:
     host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in a URL
     click.echo(f"serving http://{host}:{server.port}/metrics ({source})")
     sys.stdout.flush()
+    stop = threading.Event()
+    # SIGTERM (docker stop, Kubernetes) ends it like Ctrl-C. As a container's
+    # PID 1 the kernel ignores a signal with no handler, and the runtime
+    # would wait out its grace period and kill it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
-        threading.Event().wait()
+        stop.wait()
     except KeyboardInterrupt:
         pass
     finally:

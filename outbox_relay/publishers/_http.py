@@ -66,7 +66,10 @@ def decode_secret(secret: str | bytes) -> bytes:
                 "the webhook secret (webhook_secret) must be 'whsec_' followed by base64"
             ) from None
     if not key:
-        raise ConfigError("the webhook secret (webhook_secret) must not be empty")
+        raise ConfigError(
+            "the webhook secret (webhook_secret, OUTBOX_WEBHOOK_SECRET) must not be empty: "
+            "'whsec_' followed by base64 of random bytes, shared with the receiver"
+        )
     return key
 
 
