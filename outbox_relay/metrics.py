@@ -205,9 +205,9 @@ def _families() -> dict[str, GaugeMetricFamily]:
         "oldest": GaugeMetricFamily(
             "outbox_oldest_pending_age_seconds",
             "How long (database clock) the longest-waiting message has awaited delivery "
-            "(pending or processing): from when it was due if never tried (a message "
-            "scheduled for later is not waiting yet), else from its created_at; 0 when "
-            "none waits.",
+            "(pending or processing): from when it became due, or was retried from dead, "
+            "its failures and backoff included (a message scheduled for later is not "
+            "waiting yet); 0 when none waits.",
         ),
         "expired": GaugeMetricFamily(
             "outbox_expired_leases",

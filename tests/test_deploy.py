@@ -7,12 +7,14 @@ import json
 import re
 import shutil
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from outbox_relay import Claimed, Outcome
+from outbox_relay.metrics import _STATUSES as STATUSES
 from outbox_relay.metrics import MetricsObserver, OutboxCollector
 from outbox_relay.model import LeaseRef
 
@@ -33,6 +35,69 @@ def served_names() -> set[str]:
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
     names |= {family.name for family in OutboxCollector("").describe()}
     return names
+
+
+def served_labels() -> dict[str, dict[str, set[str]]]:
+    """Each served sample name's labels, with the values they take."""
+    registry = CollectorRegistry()
+    observer = MetricsObserver(registry)
+    msg = Claimed(1, 1, 1, "order", "1", "order.created", {})
+    for outcome in (
+        Outcome.done(msg),
+        Outcome.retry(msg, delay=timedelta(seconds=1), error="retryable: 503"),
+        Outcome.dead(msg, error="permanent: 400"),
+    ):
+        observer.published(msg, outcome, 0.01)
+        observer.finalized(msg, outcome, 1.0)
+    found: dict[str, dict[str, set[str]]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            labels = found.setdefault(sample.name, {})
+            for name, value in sample.labels.items():
+                labels.setdefault(name, set()).add(value)
+    # The database gauges (they need a database to collect).
+    for family in OutboxCollector("").describe():
+        found.setdefault(family.name, {})
+    found["outbox_messages"] = {"status": set(STATUSES)}
+    return found
+
+
+SELECTOR = re.compile(r"\b(outbox_[a-z_]+)\{([^}]*)\}")
+MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+# Labels Prometheus adds to every series it scrapes.
+TARGET_LABELS = {"job", "instance", "pod"}
+
+
+def all_queries() -> list[str]:
+    dashboard = json.loads((DEPLOY / "grafana" / "outbox-relay.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    alerts = (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    exprs += re.findall(r"expr: (?:>-\n)?(.*?)\n\s+(?:for|labels):", alerts, re.S)
+    return exprs
+
+
+def test_queries_use_served_labels_and_values() -> None:
+    # A misspelled label or value (status="daed", outcome="sucess") is a
+    # query that matches nothing: a panel that stays empty, an alert that
+    # never fires.
+    served = served_labels()
+    every_label = TARGET_LABELS | {name for labels in served.values() for name in labels}
+    checked = 0
+    for expr in all_queries():
+        for metric, body in SELECTOR.findall(expr):
+            labels = served[metric]
+            for name, op, value in MATCHER.findall(body):
+                if name in TARGET_LABELS:
+                    continue
+                assert name in labels, f"{metric} has no label {name!r}: {expr}"
+                if op in ("=", "!="):
+                    assert value in labels[name], f"{metric}{{{name}={value!r}}}: {expr}"
+                checked += 1
+        for grouping in GROUPING.findall(expr):
+            for name in filter(None, (part.strip() for part in grouping.split(","))):
+                assert name in every_label, f"no served metric has label {name!r}: {expr}"
+    assert checked >= 5  # the status and outcome selectors were seen
 
 
 def test_dashboard_queries_served_metrics() -> None:
