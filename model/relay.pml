@@ -28,6 +28,9 @@
  *   WEAK_FENCE       the fenced statements without their lease test
  *                    (`lease_until IS NOT NULL` / `>= now()`): a stale write
  *                    gets through, and the safety check must fail.
+ *   NO_VERSION_FENCE the fenced statements without their version test
+ *                    (`lease_version = %(version)s`): a worker of an older
+ *                    lease writes into a newer one; the safety check must fail.
  *   NOMONITOR        leave out the invariant monitor (the liveness runs).
  *   NROWS NW MAX_ATTEMPTS CAP K LOSS DUP CRASH LATE FANFAIL FAULTS
  *                    sizes and fault budgets, below.
@@ -177,17 +180,21 @@ inline check_attempts(r) {
 /* The fence of `begin_one`, `finalize_one`/`finalize`:
  *   WHERE id = %(id)s AND lease_version = %(version)s AND lease_until IS NOT NULL
  * and of `extend_lease` (a live lease: lease_until >= now()). */
-#ifdef WEAK_FENCE
+#if defined(WEAK_FENCE)
 #define FENCE(r, v) (ver[r] == v)
 #define RENEW_FENCE(r, v) (ver[r] == v)
+#elif defined(NO_VERSION_FENCE)
+#define FENCE(r, v) (st[r] == PROC)
+#define RENEW_FENCE(r, v) (st[r] == PROC && lease[r] != EXPIRED)
 #else
 #define FENCE(r, v) (ver[r] == v && st[r] == PROC)
 #define RENEW_FENCE(r, v) (ver[r] == v && st[r] == PROC && lease[r] != EXPIRED)
 #endif
 
 /* No stale write: a fenced write that gets through comes from the holder
- * of the current lease, which nobody has ended since it was granted. */
-#define NOT_STALE(r) assert(!ended[r])
+ * of the current lease (the writer's version v is the row's), which nobody
+ * has ended since it was granted. */
+#define NOT_STALE(r, v) assert(v == ver[r] && !ended[r])
 
 /* queries.sql `finalize_one` (and `finalize`, fanout.release,
  * store.mark_done/reschedule/mark_dead): the fenced finalize. A write under
@@ -196,7 +203,7 @@ inline check_attempts(r) {
 inline finalize_one(r, v, s, refund) {
   if
   :: FENCE(r, v) ->
-       NOT_STALE(r);
+       NOT_STALE(r, v);
        ended[r] = 1;
        set_status(r, s);
        if
@@ -517,7 +524,7 @@ proctype worker(byte w) {
          r = wr[w];
          if
          :: FENCE(r, wv[w]) ->
-              NOT_STALE(r);
+              NOT_STALE(r, wv[w]);
               if
               :: lease[r] == FULL ->
                    /* began_version (migration 0005): the attempt is
@@ -551,7 +558,7 @@ proctype worker(byte w) {
    * lease (lease_until >= now()), fenced on the version. */
   :: d_step {
        wst[w] == W_BEGUN && RENEW_FENCE(wr[w], wv[w]) && lease[wr[w]] != FULL ->
-       NOT_STALE(wr[w]);
+       NOT_STALE(wr[w], wv[w]);
        lease[wr[w]] = FULL
      }
 

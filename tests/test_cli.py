@@ -172,6 +172,22 @@ def test_parse_duration() -> None:
     for bad in ("", "7", "7x", "d7", "-1h", "1h 30m"):
         with pytest.raises(ValueError, match="not a duration"):
             parse_duration(bad)
+    # Past timedelta's range it was an OverflowError's traceback.
+    for huge in ("99999999999d", "5300w"):
+        with pytest.raises(ValueError, match="longer than 100 years"):
+            parse_duration(huge)
+    assert parse_duration("36500d") == timedelta(days=36500)
+
+
+def test_out_of_range_arguments_are_named(dsn: str) -> None:
+    for command in (("purge", "--older-than"), ("dead", "list", "--older-than")):
+        result = cli(*command, "99999999999d", dsn=dsn)
+        assert result.exit_code == 2, result.output
+        assert "'99999999999d' is longer than 100 years" in result.output
+    for bad in ("0", "99999999999999999999"):
+        result = cli("dead", "retry", bad, dsn=dsn)
+        assert result.exit_code == 2, result.output
+        assert f"{bad} is not in the range 1<=x<=9223372036854775807" in result.output
 
 
 @pytest.mark.parametrize("command", [["purge"], ["dead", "list"]])

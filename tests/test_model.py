@@ -9,6 +9,7 @@ explains the model and the figures.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -47,8 +48,12 @@ def errors(output: str) -> int:
 
 
 def complete(output: str) -> None:
+    """The search saw every state: pan prints "Full statespace search" even
+    when its memory limit cut it short, so the warnings are checked too."""
     assert "max search depth too small" not in output, output
     assert "Full statespace search" in output, output
+    assert "Search not completed" not in output, output
+    assert "reached -DMEMLIM bound" not in output, output
 
 
 def test_the_model_is_safe() -> None:
@@ -83,7 +88,10 @@ def test_the_historical_freeze_is_not_a_safety_bug() -> None:
     ("define", "violated"),
     [
         # The fence without its lease test lets a stale write through.
-        ("-DWEAK_FENCE", "assertion violated  !(ended[r])"),
+        ("-DWEAK_FENCE", "&& !(ended[r]))"),
+        # Without its version test, an older lease's worker writes into a
+        # newer lease of the row.
+        ("-DNO_VERSION_FENCE", "assertion violated ((wv[w]==ver[wr[w]])"),
         # Without its began_version guard, a release takes the lease of a
         # delivery that began (docs/model.md, finding 2).
         ("-DNO_STEAL -DRELEASE_BEGUN", "assertion violated"),
@@ -113,3 +121,20 @@ def test_check_sh_runs_every_check_with_the_expected_result() -> None:
     done = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every check gave the expected result" in done.stdout
+
+
+def test_check_sh_calls_a_search_cut_short_broken_not_a_pass(tmp_path: Path) -> None:
+    # pan stops at its memory limit with "errors: 0" and "Search not
+    # completed": a check that saw a fraction of the states must not pass.
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nexec gcc "$@" -DMEMLIM=16\n')  # the last -D wins
+    cc.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(CHECK)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "CC": str(cc)},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(r"WRONG +safety +model +expected pass got broken", done.stdout), done.stdout

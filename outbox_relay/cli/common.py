@@ -44,6 +44,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # ---------------------------------------------------------------- durations
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([wdhms])")
 _UNIT_SECONDS = {"w": 604_800, "d": 86_400, "h": 3_600, "m": 60, "s": 1}
+# Longer would be no filter at all, and past timedelta's range a traceback.
+_LONGEST = timedelta(days=100 * 366)
 
 
 def parse_duration(text: str) -> timedelta:
@@ -52,6 +54,8 @@ def parse_duration(text: str) -> timedelta:
     if not value or _DURATION_PART.sub("", value):
         raise ValueError(f"{text!r} is not a duration; use a number and a unit: 7d, 12h, 30m, 45s")
     seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
+    if seconds > _LONGEST.total_seconds():
+        raise ValueError(f"{text!r} is longer than 100 years")
     return timedelta(seconds=seconds)
 
 

@@ -18,6 +18,8 @@ __all__ = ["dead_group"]
 F = TypeVar("F", bound=Callable[..., Any])
 # The table shows this much of each last_error (a webhook's body can be long).
 ERROR_SHOWN = 160
+# A message id is a bigint identity: positive, at most 2**63 - 1.
+MESSAGE_ID = click.IntRange(1, 2**63 - 1)
 
 
 def _filter_options(fn: F) -> F:
@@ -106,7 +108,7 @@ def _ids(ids: list[int]) -> str:
 
 
 @dead_group.command("retry")
-@click.argument("ids", nargs=-1, type=int)
+@click.argument("ids", nargs=-1, type=MESSAGE_ID)
 @click.option("--all", "all_dead", is_flag=True, help="Every dead message the filters match.")
 @_filter_options
 @command_options()
@@ -141,7 +143,7 @@ def dead_retry_command(
 
 
 @dead_group.command("skip")
-@click.argument("ids", nargs=-1, type=int, required=True)
+@click.argument("ids", nargs=-1, type=MESSAGE_ID, required=True)
 @command_options()
 @pass_state
 def dead_skip_command(state: CliState, ids: tuple[int, ...]) -> None:
