@@ -30,12 +30,15 @@ def bind(observer: Observer) -> Observer:
 
 
 def lost_after_publish(observer: Observer, msg: Claimed, outcome: Outcome) -> None:
-    """Report a published row whose fenced finalize matched nothing: another
-    worker holds it now (the same words from the task and the completer)."""
+    """Report a published row whose fenced finalize matched nothing (the
+    same words from the task and the completer). Which of the causes it was
+    the write cannot tell: it matched no row."""
     observer.lost_lease(msg.ref, "finalize")
     log.warning(
-        "lost lease on outbox message %s v%s: it was published (%s) but another worker "
-        "holds it now; the receiver de-duplicates on its idempotency key",
+        "lost lease on outbox message %s v%s: it was published (%s) but the row is no "
+        "longer held under this lease (it expired and was freed or re-claimed, or a "
+        "duplicate of this task finished it); the receiver de-duplicates on its "
+        "idempotency key",
         msg.id,
         msg.lease_version,
         outcome.status,
