@@ -40,16 +40,20 @@ typecheck: venv
 # Only the fault suite, with its ledgers printed as the table of docs/reliability.md.
 faults: venv
 	rm -f .faults.jsonl
-	OUTBOX_TEST_FAULTS_REPORT=$(CURDIR)/.faults.jsonl $(BIN)/pytest -m faults -n $(FAULT_JOBS) --dist loadgroup $(PYTEST_ARGS)
-	$(BIN)/python -m tests.faults.report .faults.jsonl
+	# The table also when a scenario failed (its row shows the unexplained).
+	OUTBOX_TEST_FAULTS_REPORT=$(CURDIR)/.faults.jsonl $(BIN)/pytest -m faults -n $(FAULT_JOBS) \
+	  --dist loadgroup $(PYTEST_ARGS); status=$$?; \
+	  $(BIN)/python -m tests.faults.report .faults.jsonl; exit $$status
 
-# The soak alone, an hour by default (SOAK_SECONDS=...); draws docs/reliability-soak.png.
+# The soak alone, an hour by default (SOAK_SECONDS=...); draws docs/reliability-soak.png
+# for the hour, .soak.png for a shorter one.
 SOAK_SECONDS ?= 3600
 soak: venv
 	$(BIN)/pip install --quiet -e ".[dev,soak]"
 	OUTBOX_TEST_SOAK_SECONDS=$(SOAK_SECONDS) OUTBOX_TEST_SOAK_CSV=$(CURDIR)/.soak.csv \
 	  $(BIN)/pytest tests/faults/test_soak.py --timeout=0 $(PYTEST_ARGS)
-	$(BIN)/python -m tests.faults.report --plot .soak.csv docs/reliability-soak.png
+	$(BIN)/python -m tests.faults.report --plot .soak.csv \
+	  $(if $(filter 3600,$(SOAK_SECONDS)),docs/reliability-soak.png,.soak.png)
 
 # The whole relay end to end on this machine (~20 s): embedded PostgreSQL and
 # Redis from pip packages unless OUTBOX_DSN / CELERY_BROKER_URL are set.

@@ -23,8 +23,20 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 import outbox_relay
+from outbox_relay._redact import mask_dsn
 
 from . import services
+
+
+class MaskedDsn(str):
+    """A DSN whose repr hides its password: pytest prints a failing test's
+    arguments (``dsn = '...'``) in its traceback, and a run against a server
+    with a password must not put it in the CI log."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(mask_dsn(str(self)))
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +44,7 @@ def pg_admin_dsn() -> Iterator[str]:
     """A DSN for a superuser connection to a maintenance database."""
     explicit = os.environ.get("OUTBOX_TEST_DSN")
     if explicit:
-        yield explicit
+        yield MaskedDsn(explicit)
         return
     if services.docker_available():
         from testcontainers.postgres import PostgresContainer
@@ -77,7 +89,7 @@ def fresh_database(pg_admin_dsn: str) -> Iterator[str]:
     with _admin(pg_admin_dsn) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
+        yield MaskedDsn(make_conninfo(pg_admin_dsn, dbname=name))
     finally:
         with _admin(pg_admin_dsn) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -90,7 +102,7 @@ def dsn(pg_admin_dsn: str, pg_template: str) -> Iterator[str]:
     with _admin(pg_admin_dsn) as admin:
         admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
     try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
+        yield MaskedDsn(make_conninfo(pg_admin_dsn, dbname=name))
     finally:
         with _admin(pg_admin_dsn) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -29,7 +29,7 @@ from . import services
 from .apps import kit
 from .celery_procs import CeleryProcs
 
-pytestmark = pytest.mark.celery
+pytestmark = [pytest.mark.celery, pytest.mark.faults]
 
 LEASE = 6.0
 PUBLISH_TIMEOUT = 1.0  # the worst-case publish: one message per task

@@ -719,3 +719,13 @@ def test_an_app_that_accepts_pickle_is_warned_about(
     assert "allows pickle" in said and "accept_content=['json']" in said
     assert warnings_of(["application/x-python-serialize"])
     assert warnings_of(None) == [] and warnings_of(["json", "msgpack"]) == []
+
+
+def test_the_tests_dsns_hide_their_password_in_a_traceback() -> None:
+    # pytest prints a failing test's arguments with repr(): the fixtures'
+    # DSNs (conftest.MaskedDsn) must not carry the password into a CI log.
+    from .conftest import MaskedDsn
+
+    dsn = MaskedDsn("postgresql://app:Tr4ceback-pw@db.test:5432/x")
+    assert "Tr4ceback-pw" not in repr(dsn) and "****" in repr(dsn)
+    assert str(dsn) == "postgresql://app:Tr4ceback-pw@db.test:5432/x"  # still usable

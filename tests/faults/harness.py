@@ -13,9 +13,17 @@ they flow, waits until every message is ``done`` or ``dead``, and calls
 * **every duplicate explained**: the receiver saw a message again only
   because the earlier delivery's response was lost (the call ended in an
   error although the receiver applied it), or because the earlier lease was
-  lost after a successful call (a higher attempt came later: the worker was
-  killed or frozen, or its finalize never reached the database). A scenario
-  names the explanations it allows; anything else fails the test.
+  lost after a successful call (a higher attempt came later). The second
+  needs evidence of a cause: the earlier call is in the call log, and the
+  process that made it died (killed, or poisoned) or was frozen, or it was
+  made while a fault of the scenario was on (``Run.fault``: from a lease and
+  a publish timeout before it to two seconds after it), when its finalize
+  could not reach the database. A scenario names the explanations it
+  allows; anything else fails the test.
+
+Each fault is injected inside ``with run.fault(what):``, which first waits
+until messages are waiting or in flight (``Run.producing`` keeps them
+coming): a fault that strikes an idle relay proves nothing.
 
 With ``OUTBOX_TEST_FAULTS_REPORT`` set to a file, each ledger is appended to it as
 a JSON line (``python -m tests.faults.report`` prints the table that
@@ -127,6 +135,10 @@ class Run:
         self.poison: set[int] = set()
         self.started = time.monotonic()
         self.faults: list[str] = []
+        # Evidence for "lease lost after publish": when faults were on
+        # (epoch seconds), and the processes killed or frozen.
+        self.windows: list[tuple[float, float]] = []
+        self.victims: set[int] = set()
 
     # ----------------------------------------------------------- processes
     def workers(self, n: int, *, concurrency: int = 2, pool: str = "prefork") -> list[Proc]:
@@ -139,6 +151,7 @@ class Run:
         return self.procs.beat()
 
     def kill(self, proc: Proc) -> None:
+        self.victims |= _group(proc.popen.pid)
         proc.kill(signal.SIGKILL)
         proc.popen.wait(10)
 
@@ -151,6 +164,7 @@ class Run:
                 if self._open_call(conn, proc):
                     os.killpg(proc.popen.pid, signal.SIGSTOP)
                     if self._open_call(conn, proc):
+                        self.victims |= _group(proc.popen.pid)
                         return
                     os.killpg(proc.popen.pid, signal.SIGCONT)
                 time.sleep(0.01)
@@ -218,6 +232,47 @@ class Run:
         self.ids.extend(sorted(made))
         self.poison |= poison
         return sorted(made)
+
+    @contextmanager
+    def fault(self, what: str, *, lasting: float = 0.0, window: bool = True) -> Iterator[None]:
+        """Inject a fault in the block (``what`` names it in errors): first
+        wait, up to 5 s, until messages are waiting or in flight (a fault on
+        an idle relay proves nothing), then keep the time it was on, plus
+        ``lasting`` seconds after the block, as evidence for the ledger.
+        ``window=False`` for a kill: the killed processes are its evidence,
+        not the time (a finalize lost elsewhere meanwhile is not its doing)."""
+        deadline = time.monotonic() + 5.0
+        counts = self.counts()
+        while counts.get("pending", 0) + counts.get("processing", 0) == 0:
+            assert time.monotonic() < deadline, (
+                f"{self.name}: {what!r} would strike an idle relay ({counts}): "
+                "inject it while messages flow"
+            )
+            time.sleep(0.02)
+            counts = self.counts()
+        started = time.time()
+        try:
+            yield
+        finally:
+            if window:
+                self.windows.append((started, time.time() + lasting))
+
+    @contextmanager
+    def producing(self, rows: int = 20, every: float = 0.1) -> Iterator[None]:
+        """Business transactions of ``rows`` messages every ``every`` seconds
+        for the duration of the block, so that faults strike a relay at
+        work. A transaction the fault makes fail is not counted (it rolled
+        back), as for any application."""
+
+        def produce(stop: threading.Event) -> None:
+            while not stop.wait(every):
+                try:
+                    self.enqueue(rows, threads=1, per_transaction=rows)
+                except psycopg.Error:
+                    continue
+
+        with self.background(produce):
+            yield
 
     # ------------------------------------------------------------- watching
     def counts(self) -> dict[str, int]:
@@ -311,7 +366,8 @@ class Run:
                 "SELECT message_id, attempt, verdict FROM deliveries ORDER BY seq"
             ).fetchall()
             calls = conn.execute(
-                "SELECT message_id, attempt, lease_version, outcome FROM calls ORDER BY seq"
+                "SELECT message_id, attempt, lease_version, outcome, pid,"
+                " extract(epoch FROM at)::float8 FROM calls ORDER BY seq"
             ).fetchall()
         problems: list[str] = []
         lost = [
@@ -336,8 +392,9 @@ class Run:
 
         explained: Counter[str] = Counter()
         unexplained: list[str] = []
-        outcome_of = {(m, a): o for m, a, _, o in calls}
-        version_of = {(m, a): v for m, a, v, _ in calls}
+        outcome_of = {(m, a): o for m, a, _, o, _, _ in calls}
+        version_of = {(m, a): v for m, a, v, _, _, _ in calls}
+        caused = self._causes(calls)
         applied_at: dict[int, tuple[int, str]] = {}
         duplicates = 0
         for message_id, attempt, verdict in deliveries:
@@ -354,6 +411,8 @@ class Run:
                 why = self._explain(
                     message_id, first_attempt, first_verdict, attempt, outcome_of, version_of
                 )
+                if why == LEASE_LOST and (message_id, first_attempt) not in caused:
+                    why = f"{LEASE_LOST}, with no fault, killed or frozen process behind it"
                 if why is not None and why in allow:
                     explained[why] += 1
                 else:
@@ -422,6 +481,48 @@ class Run:
         # came under a new lease: the first lease was lost before its finalize.
         return LEASE_LOST
 
+    def _causes(self, calls: list[Any]) -> set[tuple[int, int]]:
+        """The (message, attempt) calls whose lease could have been lost by a
+        fault of this run: made by a process that died or was a victim, or
+        while a fault was on (from a lease and a publish timeout before it:
+        a delivery under way when it struck, to 2 s after it)."""
+        before = float(self.env["OUTBOX_LEASE_SECONDS"]) + float(
+            self.env["OUTBOX_PUBLISH_TIMEOUT_SECONDS"]
+        )
+        found = set()
+        for message_id, attempt, _, _, pid, at in calls:
+            died = pid in self.victims or not _alive(pid)
+            during = any(start - before <= at <= end + 2.0 for start, end in self.windows)
+            if died or during:
+                found.add((message_id, attempt))
+        return found
+
     def close(self) -> None:
         self.procs.stop_all()
         self.receiver.close()
+
+
+def _group(pgid: int) -> set[int]:
+    """The processes of process group ``pgid`` (a worker and its pool)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # Field 5 of stat is the process group; the command name
+                # (field 2, in parentheses) may hold spaces.
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

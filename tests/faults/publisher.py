@@ -88,9 +88,10 @@ def _publisher() -> WebhookPublisher:
 
 
 def _log(sql: str, params: tuple[Any, ...]) -> Any:
-    # The call log lives on the database under test; when that database is
-    # the fault, the log is best effort (the ledger treats a missing entry
-    # as "no evidence", never as an explanation).
+    # The call log lives on the receiver's database, not the outbox's; when
+    # the fault cuts the relay off from it too (link-cut), the log is best
+    # effort. A "lease lost after publish" needs its call logged (harness
+    # Run._causes); a late request is also judged without one.
     try:
         with _pool().connection() as conn:
             return conn.execute(sql, params).fetchone()

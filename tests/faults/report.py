@@ -22,6 +22,8 @@ def table(path: str) -> str:
     ]
     for r in rows:
         why = ", ".join(f"{n} {k}" for k, n in sorted(r["explained"].items())) or "-"
+        if r.get("unexplained"):
+            why += f"; **{len(r['unexplained'])} unexplained**"
         out.append(
             f"| {r['scenario']} | {r.get('mode', '')} | {r['faults'] or 'none (control)'} "
             f"| {r['messages']} | {r['done']} | {r['dead']} | {r['lost']} "

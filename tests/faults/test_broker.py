@@ -24,10 +24,12 @@ def test_redis_flushall_mid_run(
         run.workers(1)
         run.beat()
         run.enqueue(800)
-        for _ in range(2):
-            time.sleep(3)
-            owned_redis.flushall()
-        run.faults.append("Redis FLUSHALL twice while tasks were queued")
+        with run.producing():
+            for _ in range(2):
+                time.sleep(3)
+                with run.fault("FLUSHALL"):
+                    owned_redis.flushall()
+        run.faults.append("Redis FLUSHALL twice while messages flowed")
         run.wait_finished(120)
         run.ledger(allow={LEASE_LOST})
     finally:
@@ -49,8 +51,10 @@ def test_redis_restarted_empty_and_down_at_commit_time(
         run.workers(1)
         run.beat()
         run.enqueue(400)
-        time.sleep(2)
-        owned_redis.stop()
+        with run.producing():
+            time.sleep(2)
+            with run.fault("Redis down", lasting=8):
+                owned_redis.stop()
         run.enqueue(400)  # committed with no broker at all: the outbox's whole point
         time.sleep(8)
         owned_redis.start()
@@ -85,8 +89,10 @@ def test_rabbitmq_unreachable_for_a_while(dsn: str, fresh_database: str, tmp_pat
         run.workers(1)
         run.beat()
         run.enqueue(400)
-        time.sleep(2)
-        proxy.cut()
+        with run.producing():
+            time.sleep(2)
+            with run.fault("RabbitMQ down", lasting=10):
+                proxy.cut()
         run.enqueue(300)
         time.sleep(10)
         proxy.restore()

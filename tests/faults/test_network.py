@@ -61,10 +61,12 @@ def test_a_relay_hosts_link_cut_and_restored(
         run.procs.worker(concurrency=2, env=envs[1], netns=other.name)
         run.procs.beat(env=envs[1], netns=other.name)
         run.enqueue(1000)
-        time.sleep(2)
-        cut.cut()
-        time.sleep(CUT_SECONDS)
-        cut.restore()
+        with run.producing():
+            time.sleep(2)
+            with run.fault("link cut"):
+                cut.cut()
+                time.sleep(CUT_SECONDS)
+                cut.restore()
         before = victim.text().count("succeeded in")
         run.enqueue(600)  # work for both hosts after the link is back
         run.faults.append(

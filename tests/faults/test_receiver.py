@@ -36,7 +36,8 @@ def test_lost_slow_failing_and_rejecting_receiver(
             "receiver: every 10th response lost, every 13th 2.5 s late,"
             " every 7th 503 once, every 101st 400"
         )
-        run.wait_finished(120)
+        with run.fault("receiver faults"):  # on for the whole run
+            run.wait_finished(120)
         ledger = run.ledger(allow={LOST_RESPONSE, LEASE_LOST})
         # The lost and late answers are where the duplicates come from.
         assert ledger.explained.get(LOST_RESPONSE, 0) >= 800 // 10 // 2

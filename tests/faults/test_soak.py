@@ -53,7 +53,14 @@ def _group_rss_mb(pgid: int) -> float:
 def test_soak_with_random_faults(
     dsn: str, fresh_database: str, tmp_path: Path, owned_redis: OwnedRedis
 ) -> None:
-    seconds = float(os.environ.get("OUTBOX_TEST_SOAK_SECONDS", "60"))
+    text = os.environ.get("OUTBOX_TEST_SOAK_SECONDS", "60")
+    try:
+        seconds = float(text)
+    except ValueError:
+        pytest.fail(f"OUTBOX_TEST_SOAK_SECONDS (SOAK_SECONDS) must be seconds, got {text!r}")
+    # Thirds of samples every 2 s, after a first fault at 5 s: less says nothing.
+    if seconds < 30:
+        pytest.fail(f"OUTBOX_TEST_SOAK_SECONDS (SOAK_SECONDS) must be 30 or more, got {text}")
     run = Run("soak", dsn, fresh_database, tmp_path, broker=owned_redis.url)
     rng = random.Random(7)
     samples: list[dict[str, float]] = []
@@ -72,6 +79,14 @@ def test_soak_with_random_faults(
         def strike() -> None:
             kind = rng.choice(["sigkill", "flushall", "terminate", "lost responses"])
             faults[kind] = faults.get(kind, 0) + 1
+            with run.fault(
+                kind,
+                lasting=3.0 if kind == "lost responses" else 0.0,
+                window=kind != "sigkill",
+            ):
+                inject(kind)
+
+        def inject(kind: str) -> None:
             if kind == "sigkill":
                 run.kill(rng.choice(run.live_workers()))
                 run.procs.worker(concurrency=2)

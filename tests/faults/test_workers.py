@@ -48,14 +48,16 @@ def test_workers_sigkilled_repeatedly(
             nonlocal kills
             alive = run.live_workers()
             victim = alive[kills % len(alive)]
-            run.kill(victim)
+            with run.fault("SIGKILL", window=False):  # the killed processes are the evidence
+                run.kill(victim)
             kills += 1
             run.procs.worker(concurrency=2)
             # More business keeps arriving: every kill strikes a relay at work,
             # however fast it drained the first batch.
             run.enqueue(300)
 
-        run.every(2.0, kill_one, until=lambda: kills >= 4)
+        with run.producing():
+            run.every(2.0, kill_one, until=lambda: kills >= 4)
         run.faults.append(f"{kills} workers SIGKILLed at random moments, each replaced")
         run.wait_finished(120)
         ledger = run.ledger(allow={LEASE_LOST})
