@@ -318,8 +318,7 @@ def prepare_canvas(
         sig = sig.clone()
         for key in timing:
             sig.options.pop(key)
-    _check_registered(sig, app)
-    _check_json(sig, app)
+    _check_json(sig, app)  # before the copy through JSON below, to name the part
     args, kwargs = options.pop("args", None), options.pop("kwargs", None)
     task_id = options.pop("task_id", None)
     if task_id is not None and (not isinstance(task_id, str) or not task_id):
@@ -340,7 +339,7 @@ def prepare_canvas(
     timing.update((k, options.pop(k)) for k in ("countdown", "eta", "expires") if k in options)
     delay = _delay(timing.get("countdown"), timing.get("eta"), now, app)
     _set_options(work, options, timing.get("expires"), now, app)
-    # Again with this call's link and link_error options, now in the canvas.
+    # The whole canvas, this call's link and link_error options included.
     _check_registered(work, app)
     _check_json(work, app)
     _check_not_durable(work, app)

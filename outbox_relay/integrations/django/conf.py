@@ -102,13 +102,14 @@ def install(app: Any, **overrides: Any) -> Any:
     """
     from ...celery.install import install as install_relay
 
+    written = _from_settings()
     # Misspellings named as written: in settings.py, or as a keyword here.
     refuse_unknown_names(
-        {**dict.fromkeys(_from_settings(), _SETTINGS_PY), **dict.fromkeys(overrides, KEYWORD)}
+        {**dict.fromkeys(written, _SETTINGS_PY), **dict.fromkeys(overrides, KEYWORD)}
     )
     # settings.py's values reach the relay as keywords: check them here, so
     # that a bad one is named where it was written.
-    refuse_bad_values(_from_settings(), _SETTINGS_PY)
+    refuse_bad_values(written, _SETTINGS_PY)
     producer_keys = sorted(_PRODUCER_FIELDS.intersection(overrides))
     if producer_keys:
         raise ConfigError(
