@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -100,10 +101,13 @@ def _log(sql: str, params: tuple[Any, ...]) -> Any:
 
 
 def publish(message: Message) -> None:
+    # ``at``: when the call was made, by this process's clock (the test's
+    # host), not when the log reached its database: behind a cut link that
+    # is many seconds later, after TCP's retransmissions get through.
     row = _log(
-        "INSERT INTO calls (message_id, attempt, lease_version, pid) VALUES (%s, %s, %s, %s)"
-        " RETURNING seq",
-        (message.id, message.attempts, message.lease_version, os.getpid()),
+        "INSERT INTO calls (message_id, attempt, lease_version, pid, at)"
+        " VALUES (%s, %s, %s, %s, to_timestamp(%s)) RETURNING seq",
+        (message.id, message.attempts, message.lease_version, os.getpid(), time.time()),
     )
     if isinstance(message.payload, dict) and message.payload.get("poison"):
         os._exit(70)
