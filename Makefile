@@ -3,6 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
+# The variables these targets read; one given on the command line that is not
+# among them is refused (a misspelled SOAK_SECOND=60 would otherwise run the
+# hour-long default without a word).
+KNOWN_VARIABLES := PYTHON TEST_JOBS FAULT_JOBS PYTEST_ARGS SOAK_SECONDS DEMO_ARGS \
+  BENCH_ARGS MEMORY_MINUTES MODEL_ARGS
+UNKNOWN_VARIABLES := $(filter-out $(KNOWN_VARIABLES),$(foreach v,$(.VARIABLES),\
+  $(if $(filter command line,$(origin $(v))),$(v))))
+ifneq ($(UNKNOWN_VARIABLES),)
+$(error unknown variable(s) $(UNKNOWN_VARIABLES); this Makefile reads $(KNOWN_VARIABLES))
+endif
+
 .PHONY: venv test test-store lint typecheck demo bench bench-quick bench-memory model clean
 
 $(BIN)/.installed: pyproject.toml

@@ -11,6 +11,7 @@ the migrated schema (cloning is much faster than migrating every time).
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import tempfile
@@ -26,6 +27,33 @@ import outbox_relay
 from outbox_relay._redact import mask_dsn
 
 from . import services
+
+# The variables the tests read. A misspelled one (OUTBOX_TEST_DNS) would
+# otherwise send the run to the embedded servers without a word.
+TEST_VARIABLES = (
+    "OUTBOX_TEST_DSN",
+    "OUTBOX_TEST_REDIS_URL",
+    "OUTBOX_TEST_AMQP_URL",
+    "OUTBOX_TEST_NO_DOCKER",
+    "OUTBOX_TEST_FAULTS_REPORT",
+    "OUTBOX_TEST_SOAK_SECONDS",
+    "OUTBOX_TEST_SOAK_CSV",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    unknown = sorted(
+        k for k in os.environ if k.startswith("OUTBOX_TEST_") and k not in TEST_VARIABLES
+    )
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, TEST_VARIABLES, n=1)
+            hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        raise pytest.UsageError(
+            f"unknown test variable(s): {', '.join(hints)}; "
+            f"the tests read {', '.join(TEST_VARIABLES)}"
+        )
 
 
 class MaskedDsn(str):

@@ -1,8 +1,12 @@
-"""The docs keep up with the code: every setting is documented, every alert has a runbook entry."""
+"""The docs keep up with the code: every setting is documented, every alert has a
+runbook entry, every make variable shown is one the Makefile reads."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -68,3 +72,45 @@ def test_integrations_python_examples_compile_and_links_resolve() -> None:
         readme = (DOCS.parent / "examples" / folder / "README.md").read_text()
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
             assert (DOCS.parent / "examples" / folder / target).exists(), (folder, target)
+
+
+def test_make_variables_in_the_docs_are_read_and_a_misspelled_one_is_refused() -> None:
+    """Every ``make target VAR=...`` the docs show names a variable the
+    Makefile reads; a misspelled one stops make before it runs anything."""
+    root = DOCS.parent
+    shown = set()
+    for page in [*DOCS.glob("*.md"), root / "README.md"]:
+        shown.update(re.findall(r"\bmake [a-z-]+ ([A-Z_]+)=", page.read_text()))
+    assert "SOAK_SECONDS" in shown and "FAULT_JOBS" in shown
+    for name in sorted(shown):
+        ran = subprocess.run(
+            ["make", "-n", "clean", f"{name}=1"], cwd=root, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, f"make refuses {name}, which the docs show: {ran.stderr}"
+    ran = subprocess.run(
+        ["make", "-n", "soak", "SOAK_SECOND=60"], cwd=root, capture_output=True, text=True
+    )
+    assert ran.returncode != 0
+    assert "unknown variable(s) SOAK_SECOND" in ran.stderr
+    assert ".venv/bin/pytest" not in ran.stdout
+
+
+def test_test_variables_in_the_docs_are_read_and_a_misspelled_one_is_refused() -> None:
+    """A misspelled ``OUTBOX_TEST_DNS`` stops the run by name instead of
+    sending it to the embedded servers."""
+    from .conftest import TEST_VARIABLES
+
+    root = DOCS.parent
+    for page in [*DOCS.glob("*.md"), root / "README.md"]:
+        for name in re.findall(r"OUTBOX_TEST_[A-Z_]+[A-Z]", page.read_text()):
+            assert name in TEST_VARIABLES, f"{page.name} shows {name}, which no test reads"
+    env = {**os.environ, "OUTBOX_TEST_DNS": "postgresql://x@127.0.0.1/x"}
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "0", "--collect-only", "-q", "tests/test_docs.py"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 4, ran.stdout + ran.stderr
+    assert "OUTBOX_TEST_DNS (did you mean OUTBOX_TEST_DSN?)" in ran.stderr
