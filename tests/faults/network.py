@@ -1,7 +1,7 @@
 """Network namespaces for the fault suite: relay hosts with a link that can be cut.
 
 ``Host`` is a network namespace joined to this one by a veth pair
-(``10.77.N.1`` on our side, ``10.77.N.2`` inside). Processes started in it
+(``10.77.N.1`` on our side, ``10.77.N.2`` inside, N free on this machine). Processes started in it
 (``ip netns exec``) reach the machine's services only through proxies that
 listen on ``10.77.N.1``. ``cut()`` takes our end of the link down: packets
 to and from the host vanish, with no FIN and no RST, as when a switch port
@@ -10,10 +10,14 @@ or a cable fails; ``restore()`` brings it back. Needs root and ``ip``.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import shutil
 import subprocess
+import tempfile
 import uuid
+from pathlib import Path
 
 
 def available() -> str | None:
@@ -34,8 +38,36 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def _free_subnet() -> tuple[int, int]:
+    """A ``10.77.N.0/24`` no other suite on this machine uses, and a file
+    descriptor holding it: a lock per N (two suites at once would otherwise
+    both route 10.77.1.0/24, each to its own namespace), freed when the
+    descriptor closes or its process dies. A subnet a crashed run left on an
+    interface is skipped too."""
+    folder = Path(tempfile.gettempdir())
+    start = random.randrange(1, 255)
+    for number in [*range(start, 255), *range(1, start)]:
+        fd = os.open(folder / f"outbox-relay-netns-{number}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        used = subprocess.run(
+            ["ip", "-o", "addr", "show", "to", f"10.77.{number}.0/24"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        if not used.stdout.strip():
+            return number, fd
+        os.close(fd)
+    raise RuntimeError("no free 10.77.N.0/24 subnet for a test host")
+
+
 class Host:
-    def __init__(self, number: int) -> None:
+    def __init__(self) -> None:
+        number, self._lock = _free_subnet()
         tag = uuid.uuid4().hex[:5]
         self.name = f"or{tag}{number}"
         self.outer = f"vo{tag}{number}"  # our end
@@ -61,3 +93,4 @@ class Host:
     def close(self) -> None:
         subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
         subprocess.run(["ip", "link", "del", self.outer], check=False, capture_output=True)
+        os.close(self._lock)

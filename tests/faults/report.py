@@ -44,7 +44,7 @@ def plot(samples: str, image: str) -> None:
     series = [
         ("rss_mb", "worker RSS (MB, both workers' process groups)"),
         ("connections", "connections to the outbox's database"),
-        ("oldest_pending_s", "oldest pending message (s)"),
+        ("oldest_waiting_s", "oldest undelivered message (s)"),
     ]
     fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 6.5))
     for ax, (key, label) in zip(axes, series):

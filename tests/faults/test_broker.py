@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+from outbox_relay._redact import redact_url
 
 from ..tcp_proxy import SilencingProxy
 from .harness import LEASE_LOST, Run
@@ -79,12 +82,31 @@ def test_rabbitmq_unreachable_for_a_while(dsn: str, fresh_database: str, tmp_pat
         pytest.skip("no RabbitMQ: set OUTBOX_TEST_AMQP_URL or run a Docker engine")
     import urllib.parse
 
+    from kombu import Connection
+
+    # Reached directly first: a RabbitMQ that is down or misaddressed is
+    # reported by its own address, not by the proxy's port in front of it.
+    try:
+        with Connection(amqp, connect_timeout=5) as direct:
+            direct.ensure_connection(max_retries=1)
+    except Exception as exc:
+        pytest.fail(f"OUTBOX_TEST_AMQP_URL {redact_url(amqp)} is not reachable: {exc}")
     parts = urllib.parse.urlsplit(amqp)
     proxy = SilencingProxy(target=(parts.hostname or "127.0.0.1", parts.port or 5672))
     proxied = parts._replace(
         netloc=f"{parts.username}:{parts.password}@127.0.0.1:{proxy.port}"
     ).geturl()
-    run = Run("rabbitmq-down", dsn, fresh_database, tmp_path, broker=proxied)
+    # A queue of this run's own: the RabbitMQ is shared (another suite, the
+    # tests), and the outbox resends what a queue held, so it is deleted after.
+    queue = f"outbox-rabbitmq-down-{uuid.uuid4().hex[:8]}"
+    run = Run(
+        "rabbitmq-down",
+        dsn,
+        fresh_database,
+        tmp_path,
+        broker=proxied,
+        env={"OUTBOX_QUEUE": queue},
+    )
     try:
         run.workers(1)
         run.beat()
@@ -104,3 +126,5 @@ def test_rabbitmq_unreachable_for_a_while(dsn: str, fresh_database: str, tmp_pat
     finally:
         run.close()
         proxy.close()
+        with Connection(amqp, connect_timeout=5) as direct:
+            direct.default_channel.queue_delete(queue)
