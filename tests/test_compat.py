@@ -7,16 +7,26 @@ fixed it (then the work-around can go).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import kombu
+import psycopg
 import pytest
 import redis.exceptions
 from kombu.transport import redis as redis_transport
 
+import outbox_relay
 from outbox_relay.celery.compat import harden_redis_transport, reuse_redis_clients
+
+from . import services
+from .apps import kit
+from .celery_procs import CeleryProcs
 
 
 @contextmanager
@@ -166,3 +176,69 @@ def _original_reuse() -> Iterator[None]:
         yield
     finally:
         redis_transport.Channel._create_client = current
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+@pytest.mark.celery
+def test_a_late_soft_time_limit_leaves_an_idle_pool_process_alone(dsn: str, tmp_path: Path) -> None:
+    """A soft time limit that fires after its task ended (the worker's event
+    loop was blocked by a cut broker link) reaches a pool process between
+    tasks. billiard raised it there: an idle process died, one writing to
+    its pipe left the main process a torn message ("Unrecoverable error:
+    UnpicklingError"), and the worker exited. It is ignored there now, and a
+    soft limit that fires during a task still interrupts it."""
+    kit.prepare_receiver(dsn)
+    procs = CeleryProcs(
+        {
+            "OUTBOX_DSN": dsn,
+            "CELERY_BROKER_URL": services.redis_url(),
+            "OUTBOX_QUEUE": kit.unique("outbox-late-soft-limit"),
+            "OUTBOX_PUBLISHER": "tests.apps.receiver:hang_once",
+            "RECEIVER_DSN": dsn,
+            "OUTBOX_LEASE_SECONDS": "6",
+            "OUTBOX_PUBLISH_TIMEOUT_SECONDS": "1",
+            "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
+        },
+        tmp_path,
+    )
+    try:
+        worker = procs.worker(concurrency=1)
+        # Idle: the claim a starting worker sends itself has run.
+        kit.wait_until(
+            lambda: "outbox_relay.claim" in worker.text() and "succeeded" in worker.text(),
+            timeout=15,
+            what="the start-up claim",
+        )
+        (child,) = _children(worker.popen.pid)
+        for _ in range(20):
+            os.kill(child, signal.SIGUSR1)
+            time.sleep(0.02)
+        time.sleep(1.0)
+        assert child in _children(worker.popen.pid), worker.text()[-3000:]
+        assert "SoftTimeLimitExceeded" not in worker.text(), worker.text()[-3000:]
+
+        procs.beat()
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            message_id = outbox_relay.enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id="1",
+                event_type="order.created",
+                payload={"order": 1},
+            )
+        # hang_once sleeps for an hour in the first publish: the delivery's
+        # soft time limit interrupts it, and a later lease delivers the row.
+        kit.wait_until(
+            lambda: message_id in kit.delivered_ids(dsn), timeout=60, what="the delivery"
+        )
+        assert "SoftTimeLimitExceeded" in worker.text(), worker.text()[-3000:]
+        assert "Pool process" not in worker.text(), worker.text()[-3000:]
+        assert worker.alive()
+    finally:
+        procs.stop_all()

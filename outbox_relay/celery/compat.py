@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["harden_redis_transport", "reuse_redis_clients"]
+__all__ = ["harden_redis_transport", "ignore_stale_soft_time_limits", "reuse_redis_clients"]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -104,4 +104,61 @@ def reuse_redis_clients() -> bool:
     setattr(_create_client, _REUSE_MARK, True)
     _create_client.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(transport.Channel, "_create_client", _create_client)  # noqa: B010 - a patch, on purpose
+    return True
+
+
+_RUNNING = [False]  # this process runs a task body (a prefork child: one at a time)
+_STALE_MARK = "_outbox_relay_task_only"
+
+
+def _task_started(**_: Any) -> None:
+    _RUNNING[0] = True
+
+
+def _task_ended(**_: Any) -> None:
+    _RUNNING[0] = False
+
+
+def ignore_stale_soft_time_limits() -> bool:
+    """A soft time limit raises in a pool process only while a task runs.
+
+    Found by the fault suite (tests/faults/test_network.py, a relay host's
+    link cut for 20 s, about 1 run in 10): the worker's main process schedules
+    a task's soft time limit on its event loop and signals the pool process
+    (SIGUSR1) when it fires. With the broker cut off, that loop was blocked
+    for the whole cut, so the limit of a delivery that had ended (with an
+    error) 16 s before, its result still unread in the pipe, fired after the
+    link came back, at a pool process that was by then writing the ACK of
+    its next task. billiard's handler raises ``SoftTimeLimitExceeded``
+    wherever it lands: the write stopped half way, the main process read
+    ``UnpicklingError: invalid load key`` and exited ("Unrecoverable error"),
+    and the host delivered nothing more. On an idle pool process the same
+    signal ends the process (reproduced with a plain Celery app: SIGUSR1 to an
+    idle child logs "Pool process ... error: SoftTimeLimitExceeded").
+
+    Here billiard's handler (a module global it installs after each fork) is
+    wrapped: between ``task_prerun`` and ``task_postrun`` it raises as before;
+    elsewhere, in the pool's own reads and writes, the signal is ignored (its
+    task has ended). Returns whether billiard was patched now.
+    """
+    try:
+        from billiard import pool  # type: ignore[import-untyped]
+        from celery import signals
+    except ImportError:  # pragma: no cover - Celery always brings billiard
+        return False
+    original: Any = getattr(pool, "soft_timeout_sighandler", None)
+    if original is None or getattr(original, _STALE_MARK, False):
+        return False
+
+    def soft_timeout_sighandler(signum: int, frame: Any) -> None:
+        # No logging here: a signal handler that takes the logging lock the
+        # interrupted code holds would deadlock.
+        if _RUNNING[0]:
+            original(signum, frame)
+
+    setattr(soft_timeout_sighandler, _STALE_MARK, True)
+    soft_timeout_sighandler.__wrapped__ = original  # type: ignore[attr-defined]
+    pool.soft_timeout_sighandler = soft_timeout_sighandler
+    signals.task_prerun.connect(_task_started, weak=False)
+    signals.task_postrun.connect(_task_ended, weak=False)
     return True

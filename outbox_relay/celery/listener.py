@@ -25,7 +25,7 @@ from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
-from .compat import harden_redis_transport, reuse_redis_clients
+from .compat import harden_redis_transport, ignore_stale_soft_time_limits, reuse_redis_clients
 from .tasks import hint_args
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
@@ -151,6 +151,9 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         harden_redis_transport()
         # And one Redis client per channel, not one per acknowledgement.
         reuse_redis_clients()
+        # Before the pool forks: a late soft time limit must not break a pool
+        # process between tasks (see compat.ignore_stale_soft_time_limits).
+        ignore_stale_soft_time_limits()
 
     def start(self, worker: Any) -> None:
         inst = self.inst
