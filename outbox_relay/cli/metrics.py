@@ -55,6 +55,13 @@ def metrics_command(state: CliState, port: int, addr: str, database: bool, once:
             if collector is not None:
                 collector.close()
         return
+    stop = threading.Event()
+    # SIGTERM (docker stop, Kubernetes) ends it like Ctrl-C. As a container's
+    # PID 1 the kernel ignores a signal with no handler, and the runtime
+    # would wait out its grace period and kill it. Installed before the
+    # "serving" line: a supervisor that stops it as soon as it reads that
+    # line must not meet the default action (a CI run did, under load).
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         server = metrics.serve(port, dsn=dsn, table=table, addr=addr)
     except OSError as exc:  # the port is taken, or the address is not ours
@@ -63,11 +70,6 @@ def metrics_command(state: CliState, port: int, addr: str, database: bool, once:
     host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in a URL
     click.echo(f"serving http://{host}:{server.port}/metrics ({source})")
     sys.stdout.flush()
-    stop = threading.Event()
-    # SIGTERM (docker stop, Kubernetes) ends it like Ctrl-C. As a container's
-    # PID 1 the kernel ignores a signal with no handler, and the runtime
-    # would wait out its grace period and kill it.
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         stop.wait()
     except KeyboardInterrupt:
