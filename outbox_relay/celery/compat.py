@@ -128,10 +128,11 @@ def ignore_stale_soft_time_limits() -> bool:
     (SIGUSR1) when it fires. With the broker cut off, that loop was blocked
     for the whole cut, so the limit of a delivery that had ended (with an
     error) 16 s before, its result still unread in the pipe, fired after the
-    link came back, at a pool process that was by then writing the ACK of
-    its next task. billiard's handler raises ``SoftTimeLimitExceeded``
-    wherever it lands: the write stopped half way, the main process read
-    ``UnpicklingError: invalid load key`` and exited ("Unrecoverable error"),
+    link came back, at a pool process that was by then between tasks, in the
+    pool's own pipe reads and writes (the ACK of its next task, most likely).
+    billiard's handler raises ``SoftTimeLimitExceeded`` wherever it lands: a
+    write stopped half way, the main process read ``UnpicklingError: invalid
+    load key`` and exited ("Unrecoverable error"),
     and the host delivered nothing more. On an idle pool process the same
     signal ends the process (reproduced with a plain Celery app: SIGUSR1 to an
     idle child logs "Pool process ... error: SoftTimeLimitExceeded").
