@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 from dataclasses import dataclass
 
 from psycopg import sql
@@ -100,6 +101,15 @@ class OutboxTable:
     def lock_key(self) -> str:
         """Text hashed into advisory-lock keys that belong to this table."""
         return f"outbox_relay:{self.schema}.{self.name}"
+
+    @property
+    def migrate_command(self) -> str:
+        """The command that migrates this table, for error messages: with its
+        ``--table`` unless it is the default one (run without, the command
+        would migrate ``public.outbox`` and the error would stay)."""
+        if self == OutboxTable():
+            return "outbox-relay migrate"
+        return f"outbox-relay migrate --table {shlex.quote(self.qualified)}"
 
 
 @dataclass(frozen=True)

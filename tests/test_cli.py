@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,10 @@ from typing import Any
 import psycopg
 import pytest
 from click.testing import CliRunner, Result
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+import outbox_relay
 from outbox_relay import OutboxTable, store
 from outbox_relay.cli import celery_command, main, mask_dsn, parse_duration
 from outbox_relay.sql.queries import migrations_for
@@ -136,6 +139,43 @@ def test_missing_table_suggests_migrate(fresh_database: str) -> None:
     ) in result.output, result.output
     assert "applied migration 8" in ok(cli("migrate", dsn=fresh_database))
     assert ok(cli("status", dsn=fresh_database))
+
+
+def test_a_missing_table_of_another_name_suggests_migrate_with_its_table(
+    fresh_database: str,
+) -> None:
+    # Run without --table, the suggested command would migrate public.outbox.
+    result = cli("--table", "app.outbox", "status", dsn=fresh_database)
+    assert result.exit_code == 1
+    assert "Run `outbox-relay migrate --table app.outbox` first" in result.output, result.output
+
+
+def test_migrate_as_a_role_that_may_not_create_says_who_can(fresh_database: str) -> None:
+    # The relay's or an operator's role: it may read the table, not create in
+    # its schema. Nothing pending: up to date, as for the owner. Something
+    # pending: who must run it, instead of "permission denied for database".
+    role = f"mig_{uuid.uuid4().hex[:8]}"
+    as_role = make_conninfo(fresh_database, user=role)
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        outbox_relay.migrate(conn)
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT SELECT ON outbox_migrations TO {}").format(sql.Identifier(role))
+        )
+        try:
+            assert "public.outbox is up to date" in ok(cli("migrate", dsn=as_role))
+            conn.execute("ALTER TABLE outbox DROP COLUMN waiting_since")
+            conn.execute("DELETE FROM outbox_migrations WHERE version = 8")
+            result = cli("migrate", dsn=as_role)
+            assert result.exit_code == 1
+            assert "permission denied" in result.output
+            assert "migration(s) 8 of public.outbox need the role that owns it" in result.output, (
+                result.output
+            )
+            assert "applied migration 8" in ok(cli("migrate", dsn=fresh_database))
+        finally:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_missing_dsn_is_a_usage_error() -> None:

@@ -4,6 +4,7 @@ counters after real deliveries, in-process and from forked processes through
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.conninfo import make_conninfo
 
+import outbox_relay
 from outbox_relay import (
     Deliverer,
     DirectDatabase,
@@ -117,6 +119,25 @@ def test_database_down_still_serves(dsn: str, start: Any) -> None:
     samples = parse(fetch(server.port))
     assert value(samples, "outbox_database_up") == 0
     assert value(samples, "outbox_messages", status="pending") is None
+
+
+def test_a_table_behind_this_version_says_to_migrate(
+    fresh_database: str, start: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A new release's exporter before `outbox-relay migrate` (an upgrade):
+    # the gauges are down and the log names the command, with its --table.
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA app")
+        outbox_relay.migrate(conn, table="app.outbox")
+        conn.execute("ALTER TABLE app.outbox DROP COLUMN waiting_since")
+    server = start(dsn=fresh_database, table="app.outbox")
+    with caplog.at_level(logging.WARNING, logger="outbox_relay"):
+        samples = parse(fetch(server.port))
+    assert value(samples, "outbox_database_up") == 0
+    assert (
+        'could not read app.outbox: column "waiting_since" does not exist: is it migrated to '
+        "this version? Run `outbox-relay migrate --table app.outbox`"
+    ) in caplog.text
 
 
 # ---------------------------------------------------------------- worker counters

@@ -412,12 +412,12 @@ class Installation:
         if not exists:
             raise ConfigError(
                 f"the outbox table {table.qualified} does not exist: run "
-                "`outbox-relay migrate` (or outbox_relay.migrate(conn)) first"
+                f"`{table.migrate_command}` (or outbox_relay.migrate(conn)) first"
             )
         if missing:
             raise ConfigError(
                 f"the outbox table {table.qualified} lacks migration(s) "
-                f"{', '.join(map(str, missing))}: run `outbox-relay migrate` first"
+                f"{', '.join(map(str, missing))}: run `{table.migrate_command}` first"
             )
 
     # ----------------------------------------------------- process state

@@ -188,7 +188,7 @@ class CliState:
             first_line = scrub(str(exc), dsn).strip().splitlines()[0]
             raise click.ClickException(
                 f"{first_line}: is the outbox {self.table.qualified} migrated to this "
-                "version? Run `outbox-relay migrate` first"
+                f"version? Run `{self.table.migrate_command}` first"
             ) from None
         except psycopg.Error as exc:
             raise click.ClickException(scrub(str(exc), dsn).strip()) from None

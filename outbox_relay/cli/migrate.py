@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+import psycopg
 
 from ..store import schema
 from ..store.schema import migration_script
@@ -32,7 +33,23 @@ def migrate_command(state: CliState, show_sql: bool) -> None:
         click.echo(migration_script(table, applied), nl=False)
         return
     with state.connect() as conn:
-        versions = schema.migrate(conn, table=table)
+        try:
+            versions = schema.migrate(conn, table=table)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            # Its transaction rolled back; the session is usable. A role that
+            # may read the table but not create in its schema (the relay's or
+            # an operator's) has nothing to do when nothing is pending.
+            missing = schema.missing_migrations(conn, table=table)
+            if not missing:
+                click.echo(f"{table.qualified} is up to date; no migration applied")
+                return
+            first_line = str(exc).strip().splitlines()[0]
+            raise click.ClickException(
+                f"{first_line}: migration(s) {', '.join(map(str, missing))} of "
+                f"{table.qualified} need the role that owns it (the one that ran the first "
+                "migration) or a superuser; run it as that role, or review "
+                "`outbox-relay migrate --sql` for a DBA to apply"
+            ) from None
     if versions:
         noun = "migration" if len(versions) == 1 else "migrations"
         click.echo(f"applied {noun} {', '.join(map(str, versions))} to {table.qualified}")
