@@ -34,7 +34,11 @@ def test_redis_flushall_mid_run(
                     owned_redis.flushall()
         run.faults.append("Redis FLUSHALL twice while messages flowed")
         run.wait_finished(120)
-        run.ledger(allow={LEASE_LOST})
+        # No duplicate at all: losing queued delivery tasks costs their rows
+        # a lease, never a publish, and a running delivery finalizes in the
+        # database, not the broker. (Allowing lost leases let a relay that
+        # skipped every 20th done pass: the faults' windows span the run.)
+        run.ledger()
     finally:
         run.close()
 
