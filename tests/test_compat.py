@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import kombu
-import psycopg
 import pytest
 import redis.exceptions
 from kombu.transport import redis as redis_transport
 
-import outbox_relay
 from outbox_relay.celery.compat import harden_redis_transport, reuse_redis_clients
 
 from . import services
@@ -224,14 +222,7 @@ def test_a_late_soft_time_limit_leaves_an_idle_pool_process_alone(dsn: str, tmp_
         assert "SoftTimeLimitExceeded" not in worker.text(), worker.text()[-3000:]
 
         procs.beat()
-        with psycopg.connect(dsn) as conn, conn.transaction():
-            message_id = outbox_relay.enqueue(
-                conn,
-                aggregate_type="order",
-                aggregate_id="1",
-                event_type="order.created",
-                payload={"order": 1},
-            )
+        (message_id,) = kit.enqueue(dsn, 1, threads=1, per_transaction=1)
         # hang_once sleeps for an hour in the first publish: the delivery's
         # soft time limit interrupts it, and a later lease delivers the row.
         kit.wait_until(
