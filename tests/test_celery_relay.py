@@ -670,7 +670,9 @@ def test_bad_configuration_fails_at_start(recorded_dsn, redis_broker, procs_fact
     [
         (
             {"table": "not_migrated"},
-            "public.not_migrated does not exist: run `outbox-relay migrate`",
+            # With its --table: without it the command would migrate public.outbox.
+            "public.not_migrated does not exist: run "
+            "`outbox-relay migrate --table public.not_migrated`",
         ),
         ({"lease_second": "5"}, "OUTBOX_LEASE_SECOND (did you mean OUTBOX_LEASE_SECONDS?)"),
         ({"publisher": "tests.apps.no_such_module:publish"}, "cannot import"),
