@@ -52,6 +52,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from .model import Claimed, LeaseRef, Outcome
 from .store import ops
+from .store.producer import missing_table
 from .table import OutboxTable
 
 __all__ = [
@@ -281,19 +282,13 @@ class OutboxCollector:
         families = _families()
         try:
             g = self.read()
-        except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn) as exc:
-            # A new release's exporter on a table an earlier one migrated.
-            log.warning(
-                "metrics scrape could not read %s: %s: is it migrated to this version? Run `%s`",
-                self.table.qualified,
-                str(exc).strip().splitlines()[0],
-                self.table.migrate_command,
-            )
-            families["up"].add_metric([], 0)
-            yield families["up"]
-            return
         except psycopg.Error as exc:
-            log.warning("metrics scrape could not read %s: %s", self.table.qualified, exc)
+            if isinstance(exc, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
+                # A new release's exporter on a table an earlier one migrated.
+                behind = missing_table(self.table, exc.diag.message_primary)
+                log.warning("metrics scrape: %s", behind)
+            else:
+                log.warning("metrics scrape could not read %s: %s", self.table.qualified, exc)
             families["up"].add_metric([], 0)
             yield families["up"]
             return

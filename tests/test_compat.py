@@ -24,7 +24,7 @@ from outbox_relay.celery.compat import harden_redis_transport, reuse_redis_clien
 
 from . import services
 from .apps import kit
-from .celery_procs import CeleryProcs
+from .celery_procs import CeleryProcs, pool_pids
 
 
 @contextmanager
@@ -176,13 +176,6 @@ def _original_reuse() -> Iterator[None]:
         redis_transport.Channel._create_client = current
 
 
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found |= {int(c) for c in (task / "children").read_text().split()}
-    return found
-
-
 @pytest.mark.celery
 def test_a_late_soft_time_limit_leaves_an_idle_pool_process_alone(dsn: str, tmp_path: Path) -> None:
     """A soft time limit that fires after its task ended (the worker's event
@@ -213,12 +206,12 @@ def test_a_late_soft_time_limit_leaves_an_idle_pool_process_alone(dsn: str, tmp_
             timeout=15,
             what="the start-up claim",
         )
-        (child,) = _children(worker.popen.pid)
+        (child,) = pool_pids(worker) - {worker.popen.pid}
         for _ in range(20):
             os.kill(child, signal.SIGUSR1)
             time.sleep(0.02)
         time.sleep(1.0)
-        assert child in _children(worker.popen.pid), worker.text()[-3000:]
+        assert child in pool_pids(worker), worker.text()[-3000:]
         assert "SoftTimeLimitExceeded" not in worker.text(), worker.text()[-3000:]
 
         procs.beat()

@@ -135,8 +135,8 @@ def test_a_table_behind_this_version_says_to_migrate(
         samples = parse(fetch(server.port))
     assert value(samples, "outbox_database_up") == 0
     assert (
-        'could not read app.outbox: column "waiting_since" does not exist: is it migrated to '
-        "this version? Run `outbox-relay migrate --table app.outbox`"
+        "the outbox table app.outbox is missing or not migrated to this version "
+        '(column "waiting_since" does not exist): run `outbox-relay migrate --table app.outbox`'
     ) in caplog.text
 
 

@@ -132,10 +132,10 @@ def ignore_stale_soft_time_limits() -> bool:
     pool's own pipe reads and writes (the ACK of its next task, most likely).
     billiard's handler raises ``SoftTimeLimitExceeded`` wherever it lands: a
     write stopped half way, the main process read ``UnpicklingError: invalid
-    load key`` and exited ("Unrecoverable error"),
-    and the host delivered nothing more. On an idle pool process the same
-    signal ends the process (reproduced with a plain Celery app: SIGUSR1 to an
-    idle child logs "Pool process ... error: SoftTimeLimitExceeded").
+    load key`` and exited ("Unrecoverable error"), and the host delivered
+    nothing more. On an idle pool process the same signal ends the process
+    (reproduced with a plain Celery app: SIGUSR1 to an idle child logs "Pool
+    process ... error: SoftTimeLimitExceeded").
 
     Here billiard's handler (a module global it installs after each fork) is
     wrapped: between ``task_prerun`` and ``task_postrun`` it raises as before;
