@@ -107,16 +107,7 @@ def reuse_redis_clients() -> bool:
     return True
 
 
-_RUNNING = [False]  # this process runs a task body (a prefork child: one at a time)
 _STALE_MARK = "_outbox_relay_task_only"
-
-
-def _task_started(**_: Any) -> None:
-    _RUNNING[0] = True
-
-
-def _task_ended(**_: Any) -> None:
-    _RUNNING[0] = False
 
 
 def ignore_stale_soft_time_limits() -> bool:
@@ -138,13 +129,15 @@ def ignore_stale_soft_time_limits() -> bool:
     process ... error: SoftTimeLimitExceeded").
 
     Here billiard's handler (a module global it installs after each fork) is
-    wrapped: between ``task_prerun`` and ``task_postrun`` it raises as before;
+    wrapped: while Celery traces a task (its task stack holds one, from
+    before ``task_prerun`` to after ``task_postrun``) it raises as before;
     elsewhere, in the pool's own reads and writes, the signal is ignored (its
-    task has ended). Returns whether billiard was patched now.
+    task has ended). Looked up when a signal arrives, so tasks pay nothing.
+    Returns whether billiard was patched now.
     """
     try:
         from billiard import pool  # type: ignore[import-untyped]
-        from celery import signals
+        from celery._state import get_current_task
     except ImportError:  # pragma: no cover - Celery always brings billiard
         return False
     original: Any = getattr(pool, "soft_timeout_sighandler", None)
@@ -154,12 +147,10 @@ def ignore_stale_soft_time_limits() -> bool:
     def soft_timeout_sighandler(signum: int, frame: Any) -> None:
         # No logging here: a signal handler that takes the logging lock the
         # interrupted code holds would deadlock.
-        if _RUNNING[0]:
+        if get_current_task() is not None:
             original(signum, frame)
 
     setattr(soft_timeout_sighandler, _STALE_MARK, True)
     soft_timeout_sighandler.__wrapped__ = original  # type: ignore[attr-defined]
     pool.soft_timeout_sighandler = soft_timeout_sighandler
-    signals.task_prerun.connect(_task_started, weak=False)
-    signals.task_postrun.connect(_task_ended, weak=False)
     return True
