@@ -224,10 +224,17 @@ def test_out_of_range_arguments_are_named(dsn: str) -> None:
         result = cli(*command, "99999999999d", dsn=dsn)
         assert result.exit_code == 2, result.output
         assert "'99999999999d' is longer than 100 years" in result.output
-    for bad in ("0", "99999999999999999999"):
-        result = cli("dead", "retry", bad, dsn=dsn)
+    for command, bad in [
+        *((("dead", "retry"), b) for b in ("0", "99999999999999999999", "-5")),
+        (("dead", "skip"), "-5"),
+    ]:
+        # -5 is an ID out of range too, not an unknown option "-5".
+        result = cli(*command, "3", bad, dsn=dsn)
         assert result.exit_code == 2, result.output
         assert f"{bad} is not in the range 1<=x<=9223372036854775807" in result.output
+    # An option's value that looks like one is left to the option.
+    result = cli("dead", "retry", "--all", "--older-than", "-5", dsn=dsn)
+    assert result.exit_code == 2 and "--older-than" in result.output, result.output
 
 
 @pytest.mark.parametrize("command", [["purge"], ["dead", "list"]])

@@ -22,6 +22,29 @@ ERROR_SHOWN = 160
 MESSAGE_ID = click.IntRange(1, 2**63 - 1)
 
 
+class _IdsCommand(click.Command):
+    """A command whose arguments are message IDs: ``-5`` is an ID out of range
+    (as ``0`` is), not an unknown option ``-5``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        valued = {
+            name
+            for p in self.params
+            if isinstance(p, click.Option) and not p.is_flag
+            for name in p.opts
+        }
+        ids = next(p for p in self.params if p.name == "ids")
+        after_option = False
+        for arg in args:
+            if arg == "--":
+                break
+            if not after_option and arg[:1] == "-" and arg[1:].isdigit():
+                # The same words click uses for 0.
+                MESSAGE_ID.convert(int(arg), ids, ctx)
+            after_option = arg in valued
+        return super().parse_args(ctx, args)
+
+
 def _filter_options(fn: F) -> F:
     for option in reversed(
         [
@@ -107,7 +130,7 @@ def _ids(ids: list[int]) -> str:
     return shown + (f" ... ({len(ids)} in all)" if len(ids) > 50 else "")
 
 
-@dead_group.command("retry")
+@dead_group.command("retry", cls=_IdsCommand)
 @click.argument("ids", nargs=-1, type=MESSAGE_ID)
 @click.option("--all", "all_dead", is_flag=True, help="Every dead message the filters match.")
 @_filter_options
@@ -142,7 +165,7 @@ def dead_retry_command(
     _report("retried", changed, ids)
 
 
-@dead_group.command("skip")
+@dead_group.command("skip", cls=_IdsCommand)
 @click.argument("ids", nargs=-1, type=MESSAGE_ID, required=True)
 @command_options()
 @pass_state
