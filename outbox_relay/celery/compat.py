@@ -137,7 +137,7 @@ def ignore_stale_soft_time_limits() -> bool:
     """
     try:
         from billiard import pool  # type: ignore[import-untyped]
-        from celery._state import get_current_task
+        from celery import current_task  # public: what task.request reads through
     except ImportError:  # pragma: no cover - Celery always brings billiard
         return False
     original: Any = getattr(pool, "soft_timeout_sighandler", None)
@@ -147,7 +147,8 @@ def ignore_stale_soft_time_limits() -> bool:
     def soft_timeout_sighandler(signum: int, frame: Any) -> None:
         # No logging here: a signal handler that takes the logging lock the
         # interrupted code holds would deadlock.
-        if get_current_task() is not None:
+        # The proxy is false when Celery's task stack is empty (a Task is true).
+        if current_task:
             original(signum, frame)
 
     setattr(soft_timeout_sighandler, _STALE_MARK, True)
