@@ -26,7 +26,7 @@ from .errors import (
     RetryableError,
 )
 from .model import Claimed, LeaseRef, Message, Outcome, idempotency_key
-from .outbox import Outbox, configure, default_outbox
+from .outbox import Outbox, configure, default_outbox, migrate
 from .producer import NewMessage, enqueue, enqueue_many
 from .services import (
     Claimer,
@@ -47,7 +47,6 @@ from .store import (
     finalize,
     mark_dead,
     mark_done,
-    migrate,
     reap,
     reschedule,
     rescue,

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from ._defaults import producer_settings
 from .config import ProducerSettings
 from .producer import NewMessage, prepare
 from .store import aio as store_aio
@@ -47,8 +48,10 @@ async def _driver(conn: Any) -> AsyncConn:
 
 
 async def migrate(conn: AsyncConn, *, table: OutboxTable | str | None = None) -> list[int]:
-    """Apply the migrations ``table`` lacks; the versions applied (see ``outbox_relay.migrate``)."""
-    return await store_aio.migrate(await _driver(conn), table=table)
+    """Apply the migrations ``table`` lacks; the versions applied (see
+    ``outbox_relay.migrate``: ``table`` None is the table ``enqueue`` writes to)."""
+    chosen = producer_settings().outbox_table if table is None else table
+    return await store_aio.migrate(await _driver(conn), table=chosen)
 
 
 async def enqueue_many(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from . import _defaults, producer
+from . import _defaults, producer, store
 from .config import ProducerSettings
 from .errors import ConfigError
 from .producer import NewMessage
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .aio import AsyncOutbox
     from .celery.runtime import Installation
 
-__all__ = ["Outbox", "configure", "default_outbox"]
+__all__ = ["Outbox", "configure", "default_outbox", "migrate"]
 
 _PRODUCER_FIELDS = frozenset(ProducerSettings.field_names())
 
@@ -135,6 +135,10 @@ class Outbox:
         """Insert many messages in the caller's transaction; ids in order."""
         return producer.enqueue_many(conn, messages, settings=self.settings, now=now)
 
+    def migrate(self, conn: psycopg.Connection[Any]) -> list[int]:
+        """Apply the migrations this outbox's table lacks; the versions applied."""
+        return store.migrate(conn, table=self.table)
+
     @property
     def aio(self) -> AsyncOutbox:
         """The same producer API as coroutines: ``await outbox.aio.enqueue(async_conn, ...)``."""
@@ -197,3 +201,15 @@ def default_outbox() -> Outbox:
         max_payload_bytes=settings.max_payload_bytes,
         notify=settings.notify,
     )
+
+
+def migrate(conn: psycopg.Connection[Any], *, table: OutboxTable | str | None = None) -> list[int]:
+    """Apply the migrations the outbox table lacks; return the versions applied.
+
+    ``table`` None: the table ``outbox_relay.enqueue`` writes to (the default
+    outbox's: ``configure()``, else the first ``install()``, else
+    ``OUTBOX_TABLE``, else ``outbox``), so that the two never disagree.
+    Idempotent, and safe when several processes run it at once.
+    """
+    chosen = _defaults.producer_settings().outbox_table if table is None else table
+    return store.migrate(conn, table=chosen)

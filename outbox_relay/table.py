@@ -111,6 +111,13 @@ class OutboxTable:
             return "outbox-relay migrate"
         return f"outbox-relay migrate --table {shlex.quote(self.qualified)}"
 
+    @property
+    def migrate_call(self) -> str:
+        """The Python call that migrates this table, for error messages."""
+        if self == OutboxTable():
+            return "outbox_relay.migrate(conn)"
+        return f"outbox_relay.migrate(conn, table={self.qualified!r})"
+
 
 @dataclass(frozen=True)
 class InboxTable:

@@ -591,16 +591,66 @@ def test_install_shares_its_outbox_with_producers(
 def test_an_outbox_given_to_install_decides_the_producer_settings() -> None:
     from celery import Celery
 
-    outbox = outbox_relay.Outbox(table="shop.events", ordered_event_types="order.paid")
-    app = Celery("shop", broker="memory://", set_as_current=False)
-    inst = outbox.install(app, dsn="postgresql://db/app", publisher=print)
-    assert (inst.settings.table, inst.settings.ordered_event_types) == (
-        "shop.events",
-        ("order.paid",),
-    )
-    other = Celery("billing", broker="memory://", set_as_current=False)
-    with pytest.raises(outbox_relay.ConfigError, match="table"):
-        outbox.install(other, table="other.outbox")
+    from outbox_relay import _defaults
+
+    _defaults.reset()
+    try:
+        outbox = outbox_relay.Outbox(table="shop.events", ordered_event_types="order.paid")
+        app = Celery("shop", broker="memory://", set_as_current=False)
+        inst = outbox.install(app, dsn="postgresql://db/app", publisher=print)
+        assert (inst.settings.table, inst.settings.ordered_event_types) == (
+            "shop.events",
+            ("order.paid",),
+        )
+        other = Celery("billing", broker="memory://", set_as_current=False)
+        with pytest.raises(outbox_relay.ConfigError, match="table"):
+            outbox.install(other, table="other.outbox")
+    finally:
+        # The first install() made its outbox this process's default.
+        _defaults.reset()
+
+
+def test_migrate_prepares_the_table_enqueue_writes_to(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``outbox_relay.migrate(conn)`` and ``enqueue(conn, ...)`` with nothing
+    given agree on the table: OUTBOX_TABLE here (it migrated public.outbox
+    while enqueue wrote to OUTBOX_TABLE's, and failed)."""
+    from outbox_relay import _defaults
+
+    monkeypatch.setenv("OUTBOX_TABLE", "billing.events_outbox")
+    _defaults.reset()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA billing")
+            assert outbox_relay.migrate(conn)
+            assert outbox_relay.migrate(conn) == []
+            with conn.transaction():
+                message_id = enqueue(
+                    conn, aggregate_type="invoice", aggregate_id="1", event_type="e", payload={}
+                )
+            row = conn.execute("SELECT id FROM billing.events_outbox").fetchone()
+            assert row == (message_id,)
+            # An Outbox migrates its own table.
+            other = outbox_relay.Outbox(table="billing.other_outbox")
+            assert other.migrate(conn) and other.migrate(conn) == []
+            assert other.enqueue(
+                conn, aggregate_type="invoice", aggregate_id="2", event_type="e", payload={}
+            )
+    finally:
+        _defaults.reset()
+
+
+def test_a_missing_table_names_the_call_that_creates_it(dsn: str) -> None:
+    with (
+        psycopg.connect(dsn, autocommit=True) as conn,
+        pytest.raises(outbox_relay.ConfigError) as raised,
+    ):
+        outbox_relay.Outbox(table="billing.nowhere").enqueue(
+            conn, aggregate_type="a", aggregate_id="1", event_type="e", payload={}
+        )
+    assert "outbox-relay migrate --table billing.nowhere" in str(raised.value)
+    assert "outbox_relay.migrate(conn, table='billing.nowhere')" in str(raised.value)
 
 
 def test_a_producer_validates_only_producer_settings(

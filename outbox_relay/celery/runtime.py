@@ -412,7 +412,7 @@ class Installation:
         if not exists:
             raise ConfigError(
                 f"the outbox table {table.qualified} does not exist: run "
-                f"`{table.migrate_command}` (or outbox_relay.migrate(conn)) first"
+                f"`{table.migrate_command}` (or {table.migrate_call}) first"
             )
         if missing:
             raise ConfigError(

@@ -48,7 +48,7 @@ def missing_table(table: OutboxTable, detail: str | None) -> ConfigError:
     """The error for an outbox table that is absent or behind this version."""
     return ConfigError(
         f"the outbox table {table.qualified} is missing or not migrated to this version "
-        f"({detail}): run `{table.migrate_command}` (or outbox_relay.migrate(conn))"
+        f"({detail}): run `{table.migrate_command}` (or {table.migrate_call})"
     )
 
 
