@@ -12,11 +12,11 @@ import os
 
 from celery import Celery
 
-from .celery import install
+from .celery import install, names
 
 __all__ = ["app"]
 
-app = Celery("outbox_relay")
+app = Celery(names.STANDALONE_APP)
 app.conf.update(
     broker_url=os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0"),
     # JSON only: task arguments are ids and versions, never pickled objects.

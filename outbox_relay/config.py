@@ -51,6 +51,7 @@ __all__ = [
     "conceal",
     "env_name",
     "hide_secrets",
+    "lookup_setting",
     "refuse_bad_values",
     "refuse_unknown_environment",
     "refuse_unknown_names",
@@ -61,6 +62,44 @@ __all__ = [
 # as webhook_secret. The kombu publisher's options are kombu_*, not broker_*:
 # those would read like Celery's own broker_* settings.
 PUBLISHER_OPTION_PREFIXES = ("webhook_", "kombu_", "celery_")
+# Each built-in publisher's options, option -> its constructor's keyword. Kept
+# here, not only in the publishers, so that a misspelled one is refused where
+# it was written (install()'s keyword, app.conf, OUTBOX_*) even by a process
+# that never builds that publisher: OUTBOX_WEBHOOK_SECERT would otherwise
+# pass every check until a worker sent webhooks unsigned.
+PUBLISHER_OPTIONS: Mapping[str, Mapping[str, str]] = {
+    "webhook": {
+        "webhook_secret": "secret",
+        "webhook_envelope": "envelope",
+        "webhook_connect_timeout": "connect_timeout",
+        "webhook_read_timeout": "read_timeout",
+        "webhook_write_timeout": "write_timeout",
+        "webhook_headers": "headers",
+        "webhook_verify": "verify",
+        "webhook_max_retry_after": "max_retry_after",
+        "webhook_forward_headers": "forward_headers",
+    },
+    "kombu": {
+        "kombu_exchange": "exchange",
+        "kombu_exchange_type": "exchange_type",
+        "kombu_routing_key": "routing_key",
+        "kombu_declare": "declare",
+        "kombu_unroutable": "unroutable",
+        "kombu_connect_timeout": "connect_timeout",
+        "kombu_confirm_timeout": "confirm_timeout",
+        "kombu_transport_options": "transport_options",
+        "kombu_ssl": "ssl",
+    },
+    "celery": {
+        "celery_app": "app",
+        "celery_broker_url": "broker_url",
+        "celery_queue": "queue",
+        "celery_args_from": "args_from",
+        "celery_publish_timeout": "publish_timeout",
+        "celery_connect_timeout": "connect_timeout",
+    },
+}
+_PUBLISHER_OPTION_NAMES = frozenset(name for names in PUBLISHER_OPTIONS.values() for name in names)
 # Environment names under OUTBOX_ that are not settings: this project's own
 # test and benchmark tooling.
 _TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_BENCH_")
@@ -217,7 +256,7 @@ class _Loadable:
                 )
         values: dict[str, Any] = {}
         for name, f in names.items():
-            found, raw, label = _lookup(name, conf, environ, overrides)
+            found, raw, label = lookup_setting(name, conf, environ, overrides)
             if found:
                 values[name] = _coerce(label, f.type, raw)
         if "publisher_options" in names:
@@ -235,7 +274,7 @@ class _Loadable:
     _strict: ClassVar[bool] = False
 
 
-def _lookup(
+def lookup_setting(
     name: str, conf: Any, environ: Mapping[str, str], overrides: Mapping[str, Any]
 ) -> tuple[bool, Any, str]:
     """``(found, value, label)`` of setting ``name``: keyword, Celery setting,
@@ -357,15 +396,17 @@ def refuse_unknown_names(found: Mapping[str, NameSource], known: Iterable[str] =
     known = set(known) or set(Settings.field_names())
 
     def is_known(name: str) -> bool:
-        if name.endswith(_FILE) and not name.startswith(PUBLISHER_OPTION_PREFIXES):
-            # x_file stands for x; only for the relay's own settings (the
-            # inbox's DSN is read elsewhere and has no file form).
-            return name[: -len(_FILE)] in known
-        return name in known or name in _OTHER_NAMES or _is_publisher_option(name)
+        if name.endswith(_FILE):
+            # x_file stands for x; only for the relay's own settings and the
+            # publishers' options (the inbox's DSN is read elsewhere and has
+            # no file form).
+            stem = name[: -len(_FILE)]
+            return stem in known or stem in _PUBLISHER_OPTION_NAMES
+        return name in known or name in _OTHER_NAMES or name in _PUBLISHER_OPTION_NAMES
 
     unknown = {name: source for name, source in found.items() if not is_known(name)}
     if unknown:
-        raise ConfigError(_unknown_message(unknown, known))
+        raise ConfigError(_unknown_message(unknown, known | _PUBLISHER_OPTION_NAMES))
 
 
 def refuse_unknown_environment(environ: Mapping[str, str] | None = None) -> None:

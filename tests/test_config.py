@@ -190,19 +190,52 @@ def test_the_rescuer_ticks_with_the_claim_unless_told_otherwise() -> None:
 
 
 def test_a_misspelled_publisher_option_is_refused_not_ignored() -> None:
+    from celery import Celery
+
+    import outbox_relay
     from outbox_relay.publishers import resolve_publisher
 
-    # Ignored, it would send every webhook unsigned.
-    settings = Settings.load(
-        {},
-        environ={"OUTBOX_WEBHOOK_SECERT": "whsec_x", "OUTBOX_PUBLISHER": "https://example.com/h"},
-    )
+    # Ignored, it would send every webhook unsigned: refused where it was
+    # written, whichever publisher is in use.
+    for publisher in ("https://example.com/h", "amqp://guest@127.0.0.1//"):
+        with pytest.raises(
+            ConfigError, match=r"OUTBOX_WEBHOOK_SECERT \(did you mean OUTBOX_WEBHOOK_SECRET\?"
+        ):
+            Settings.load(
+                {}, environ={"OUTBOX_WEBHOOK_SECERT": "whsec_x", "OUTBOX_PUBLISHER": publisher}
+            )
+    with pytest.raises(ConfigError, match=r"Celery setting outbox_kombu_exchanges \(did you mean "):
+        Settings.load({"outbox_kombu_exchanges": "events"}, environ={})
+    app = Celery("typo", broker="memory://", set_as_current=False)
     with pytest.raises(
-        ConfigError, match=r"OUTBOX_WEBHOOK_SECERT \(did you mean OUTBOX_WEBHOOK_SECRET"
+        ConfigError, match=r"keyword webhook_secert \(did you mean webhook_secret\?"
     ):
-        resolve_publisher(settings.publisher, **settings.publisher_options)
+        outbox_relay.install(app, dsn="postgresql://db/app", webhook_secert="whsec_x")
+    assert not hasattr(app, "outbox_relay")
+    # Every documented option is known, with its _file form.
+    Settings.load({}, environ={"OUTBOX_KOMBU_EXCHANGE": "events", "OUTBOX_CELERY_QUEUE": "q"})
+    # A publisher built directly still names what it does not know.
     with pytest.raises(ConfigError, match="OUTBOX_KOMBU_EXCHANGES"):
         resolve_publisher("amqp://guest@127.0.0.1//", kombu_exchanges="events")
+
+
+def test_install_refuses_what_it_would_ignore() -> None:
+    from celery import Celery
+
+    import outbox_relay
+
+    app = Celery("refusals", broker="memory://", set_as_current=False)
+    with pytest.raises(ConfigError, match=r"'max_retrys' \(did you mean 'max_retries'\?\)"):
+        outbox_relay.install(app, dsn="postgresql://db/app", task_options={"max_retrys": 3})
+    with pytest.raises(outbox_relay.InvalidIdentifier, match="events-outbox"):
+        outbox_relay.install(app, dsn="postgresql://db/app", table="billing.events-outbox")
+    assert not hasattr(app, "outbox_relay")
+    first = outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    # The same call again (a module imported twice) returns the installation...
+    assert outbox_relay.install(app, dsn="postgresql://db/app", publisher=print) is first
+    # ...another one is refused, not ignored: its table would never be relayed.
+    with pytest.raises(ConfigError, match="already installed in Celery app 'refusals'"):
+        outbox_relay.Outbox(table="shipping.events_outbox").install(app, queue="q2")
 
 
 def test_install_beat_false_leaves_the_schedule_to_the_user() -> None:

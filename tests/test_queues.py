@@ -162,6 +162,25 @@ def test_worker_without_queues_validates_the_relay(shop):
     assert "OUTBOX_PUBLISHER" in log and "no_such_module" in log, log[-3000:]
 
 
+def test_a_worker_for_the_relay_queue_refuses_settings_it_cannot_read(shop):
+    # With -Q outbox and a setting that cannot be read, the worker ran on
+    # ("this worker ignores them") and failed every claim it took: the queue
+    # the settings name, as written, is the one it consumes.
+    procs = shop(OUTBOX_LEASE_SECONDS="abc")
+    worker = procs.worker(args=("-Q", "outbox"), ready=False)
+    kit.wait_until(
+        lambda: not worker.alive() or " ready." in worker.text(),
+        timeout=60,
+        what="the worker to exit or get ready",
+    )
+    log = worker.text()
+    assert " ready." not in log, f"a relay worker started with OUTBOX_LEASE_SECONDS=abc:\n{log}"
+    assert "OUTBOX_LEASE_SECONDS" in log, log[-3000:]
+    # A worker for the app's other queues still starts, and says why it ignores them.
+    billing = procs.worker(args=("-n", _node()[0], "-Q", "billing"))
+    assert "outbox relay settings are invalid" in billing.text()
+
+
 # ------------------------------------------------------------ 2. task_routes
 def test_relay_tasks_follow_the_users_task_routes(shop, shop_dsn, tmp_path):
     queue = kit.unique("relay-q")

@@ -572,9 +572,11 @@ def test_file_settings_fail_clearly_and_without_their_content(tmp_path: Path) ->
         Settings.load({}, {"OUTBOX_INBOX_DSN_FILE": str(secret_file)})
     with pytest.raises(ConfigError, match="OUTBOX_LEASE_SECOND_FILE"):
         Settings.load({}, {"OUTBOX_LEASE_SECOND_FILE": str(secret_file)})
-    # A misspelled publisher option keeps its closest-name hint from the publisher.
-    s = Settings.load({}, {"OUTBOX_WEBHOOK_SECERT_FILE": str(secret_file)})
-    assert "webhook_secert" in s.publisher_options
+    # A misspelled publisher option's file form is refused with its closest name.
+    with pytest.raises(ConfigError, match=r"did you mean OUTBOX_WEBHOOK_SECRET_FILE\?"):
+        Settings.load({}, {"OUTBOX_WEBHOOK_SECERT_FILE": str(secret_file)})
+    s = Settings.load({}, {"OUTBOX_WEBHOOK_SECRET_FILE": str(secret_file)})
+    assert "webhook_secret" in s.publisher_options
 
 
 # -------------------------------------------------- app.conf holds Secrets

@@ -34,7 +34,9 @@ from ..config import (
 from ..errors import ConfigError, OutboxError
 from ..metrics import MetricsObserver
 from ..outbox import Outbox
+from ..table import OutboxTable
 from . import names
+from .options import check_task_options
 from .runtime import Installation
 from .tasks import register_tasks
 
@@ -76,14 +78,28 @@ def install(
     # process never would).
     refuse_unknown_names(dict.fromkeys(settings, KEYWORD))
     refuse_bad_values(settings, KEYWORD)
+    check_task_options(task_options or {})
+    if isinstance(settings.get("table"), str):
+        OutboxTable.parse(settings["table"])  # a bad name fails here too
     existing = getattr(app, "outbox_relay", None)
+    given = (outbox, beat, consume, task_options, settings)
     if isinstance(existing, Installation):
-        return existing
+        # The same call again (a module imported twice) is harmless; another
+        # one would be ignored without a word, and its table never relayed.
+        if existing.given == given:
+            return existing
+        raise ConfigError(
+            f"install(): the relay is already installed in Celery app {app.main!r}, "
+            "differently; an app relays one outbox table. For a second table make a "
+            "Celery app of its own with its own queue (OUTBOX_QUEUE), see "
+            "docs/configuration.md"
+        )
     if outbox is None:
         outbox = made = Outbox.from_settings(settings, conf=app.conf)
         _defaults.register(lambda: made.settings, explicit=False)
     relay_settings = {k: v for k, v in settings.items() if k not in _PRODUCER_FIELDS}
     inst = Installation(app, outbox, relay_settings, task_options)
+    inst.given = given
     app.outbox_relay = inst
     register_tasks(app, inst)
     # Counters and histograms for Prometheus (see outbox_relay.metrics for

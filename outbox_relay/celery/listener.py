@@ -113,9 +113,11 @@ def relays_here(worker: Any, inst: Any) -> bool:
     """Whether this worker consumes the relay's queue (so it must check and listen).
 
     Without -Q it does (install added the queue). With -Q, only when the
-    operator listed the queue the relay's tasks are routed to; a relay configuration that cannot
-    even be read then is reported by the relay's own workers, not by a
-    worker started for other queues.
+    operator listed the queue the relay's tasks are routed to. A relay
+    configuration that cannot be read stops a worker that consumes the queue
+    it names as written (``-Q outbox`` with ``OUTBOX_LEASE_SECONDS=abc``
+    would take every claim and fail it), and the standalone app's workers,
+    which run nothing else; a worker started for other queues only warns.
     """
     queues = worker.app.amqp.queues
     selected = queues.consume_from
@@ -123,7 +125,8 @@ def relays_here(worker: Any, inst: Any) -> bool:
     try:
         queue = inst.relay_queue()
     except ConfigError as exc:
-        if inst.explicit_queues:
+        standalone = worker.app.main == names.STANDALONE_APP
+        if inst.explicit_queues and not standalone and inst.queue_as_written() not in consumed:
             log.warning("outbox relay settings are invalid (%s); this worker ignores them", exc)
             return False
         raise

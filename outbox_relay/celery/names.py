@@ -13,6 +13,7 @@ __all__ = [
     "PURGE_EVERY_SECONDS",
     "RELAY_EXCHANGE",
     "RESCUE",
+    "STANDALONE_APP",
 ]
 
 CLAIM = "outbox_relay.claim"
@@ -20,6 +21,9 @@ DELIVER = "outbox_relay.deliver"
 DELIVER_BATCH = "outbox_relay.deliver_batch"
 RESCUE = "outbox_relay.rescue"
 PURGE = "outbox_relay.purge"
+
+# The standalone app's name (outbox_relay.app): its workers run the relay alone.
+STANDALONE_APP = "outbox_relay"
 
 BEAT_CLAIM = "outbox-relay-claim"
 BEAT_RESCUE = "outbox-relay-rescue"

@@ -10,6 +10,7 @@ objects with ``annotate(task)``, or their import paths).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -17,9 +18,10 @@ from typing import Any
 from celery.app.annotations import prepare, resolve_all
 
 from ..config import Settings
+from ..errors import ConfigError
 from ..services.policy import RetryPolicy
 
-__all__ = ["annotations_for", "retry_policy", "time_limits"]
+__all__ = ["annotations_for", "check_task_options", "retry_policy", "time_limits"]
 
 # What an annotation may set for the relay's tasks; anything else is Celery's.
 _READ = (
@@ -51,6 +53,22 @@ def annotations_for(app: Any, name: str) -> dict[str, Any]:
         if isinstance(annotation, Mapping):
             found.update(annotation)
     return {k: v for k, v in found.items() if k in _READ}
+
+
+def check_task_options(options: Mapping[str, Any]) -> None:
+    """Refuse an ``install(task_options=...)`` key the relay does not read: a
+    misspelled ``max_retrys`` would leave the relay's own limit in force."""
+    unknown = sorted(set(options) - set(_READ))
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, _READ, n=1)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise ConfigError(
+        f"install(task_options=...): unknown option(s) {', '.join(parts)}; the relay reads "
+        f"{', '.join(_READ)}"
+    )
 
 
 def retry_policy(

@@ -28,7 +28,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from .. import store
 from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
-from ..config import Settings, conceal, hide_secrets
+from ..config import Settings, conceal, hide_secrets, lookup_setting
 from ..db import PoolDatabase, bounded_connection_kwargs
 from ..errors import ConfigError, OutboxError, PermanentError, RetryableError
 from ..model import Message
@@ -254,6 +254,8 @@ class Installation:
         # only have logged, and whether the worker was started with -Q.
         self.config_error: OutboxError | None = None
         self.explicit_queues = False
+        # What install() was given, to tell the same call again from another.
+        self.given: tuple[Any, ...] = ()
         # This worker's pool processes (its --concurrency) and
         # worker_prefetch_multiplier, recorded at worker setup, before the pool
         # forks; 0 when unknown. fan_out keeps chunks small enough for each
@@ -283,9 +285,26 @@ class Installation:
     def relay_queue(self) -> str:
         """The queue the relay's tasks are routed to: the user's ``task_routes``
         for ``outbox_relay.*`` when they name one, else ``OUTBOX_QUEUE``."""
+        return self._routed_queue() or self.settings.queue
+
+    def queue_as_written(self) -> str:
+        """``relay_queue`` without validating the other settings: the queue a
+        worker with an invalid configuration would relay from."""
+        try:
+            routed = self._routed_queue()
+        except ConfigError:
+            # The relay's own route, after the user's, reads the settings:
+            # none of the user's routes named a queue.
+            routed = None
+        if routed:
+            return routed
+        found, raw, _ = lookup_setting("queue", self.app.conf, os.environ, self.overrides)
+        return str(raw) if found and raw else Settings.queue
+
+    def _routed_queue(self) -> str | None:
         route = self.app.amqp.router.route({}, names.CLAIM, (), {})
         queue = route.get("queue")
-        return str(getattr(queue, "name", queue) or self.settings.queue)
+        return str(getattr(queue, "name", queue) or "") or None
 
     @property
     def dsn(self) -> str | None:

@@ -39,6 +39,7 @@ from kombu.utils.url import parse_url
 
 from .._parse import as_bool, as_mapping
 from .._redact import redact_url, scrub
+from ..config import PUBLISHER_OPTIONS
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ._options import as_callable_or, constructor_kwargs, split_budget
@@ -232,17 +233,7 @@ class BrokerPublisher:
         """Build from the relay's option bag; timeouts fit in ``publish_timeout_seconds``."""
         # kombu_*, not broker_*: OUTBOX_BROKER_* would read like Celery's own
         # broker settings, which configure the relay's broker, not this one.
-        names = {
-            "kombu_exchange": "exchange",
-            "kombu_exchange_type": "exchange_type",
-            "kombu_routing_key": "routing_key",
-            "kombu_declare": "declare",
-            "kombu_unroutable": "unroutable",
-            "kombu_connect_timeout": "connect_timeout",
-            "kombu_confirm_timeout": "confirm_timeout",
-            "kombu_transport_options": "transport_options",
-            "kombu_ssl": "ssl",
-        }
+        names = PUBLISHER_OPTIONS["kombu"]
         kwargs = constructor_kwargs(
             options, overrides, names, split_budget(options, last="confirm_timeout")
         )

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import kombu.exceptions
 
 from .._parse import as_number
+from ..config import PUBLISHER_OPTIONS
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ..tracing import TRACE_HEADERS
@@ -142,14 +143,7 @@ class CeleryTaskPublisher:
         budget = options.get("publish_timeout_seconds")
         if budget is not None:
             defaults["budget"] = float(budget)
-        names = {
-            "celery_app": "app",
-            "celery_broker_url": "broker_url",
-            "celery_queue": "queue",
-            "celery_args_from": "args_from",
-            "celery_publish_timeout": "publish_timeout",
-            "celery_connect_timeout": "connect_timeout",
-        }
+        names = PUBLISHER_OPTIONS["celery"]
         kwargs = constructor_kwargs(options, overrides, names, defaults)
         if "args_from" in kwargs:
             kwargs["args_from"] = as_callable_or(

@@ -35,6 +35,7 @@ import httpx
 
 from .._parse import as_bool, as_mapping, as_names, bool_or_same
 from .._redact import MASK, redact_url, scrub
+from ..config import PUBLISHER_OPTIONS
 from ..errors import ConfigError, PermanentError, RetryableError
 from ..model import Message
 from ._http import TOKEN, decode_secret, excerpt, header_value, parse_retry_after, sign
@@ -384,17 +385,7 @@ class WebhookPublisher:
         Timeouts not given explicitly are carved out of
         ``publish_timeout_seconds`` so that a whole publish fits in it.
         """
-        names = {
-            "webhook_secret": "secret",
-            "webhook_envelope": "envelope",
-            "webhook_connect_timeout": "connect_timeout",
-            "webhook_read_timeout": "read_timeout",
-            "webhook_write_timeout": "write_timeout",
-            "webhook_headers": "headers",
-            "webhook_verify": "verify",
-            "webhook_max_retry_after": "max_retry_after",
-            "webhook_forward_headers": "forward_headers",
-        }
+        names = PUBLISHER_OPTIONS["webhook"]
         kwargs = constructor_kwargs(
             options, overrides, names, split_budget(options, last="read_timeout")
         )
