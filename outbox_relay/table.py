@@ -107,9 +107,19 @@ class OutboxTable:
         """The command that migrates this table, for error messages: with its
         ``--table`` unless it is the default one (run without, the command
         would migrate ``public.outbox`` and the error would stay)."""
+        return self.command("migrate")
+
+    def command(self, args: str) -> str:
+        """``outbox-relay ARGS`` on this table, for messages: with ``--table``
+        unless it is the default one."""
         if self == OutboxTable():
-            return "outbox-relay migrate"
-        return f"outbox-relay migrate --table {shlex.quote(self.qualified)}"
+            return f"outbox-relay {args}"
+        return f"outbox-relay {args} --table {shlex.quote(self.qualified)}"
+
+    def grant_command(self, role: str | None, kind: str) -> str:
+        """The command that prints ``role``'s grants of ``kind`` on this table
+        (``ROLE`` when the role is not known)."""
+        return self.command(f"grant --role {shlex.quote(role or 'ROLE')} --kind {kind}")
 
     @property
     def migrate_call(self) -> str:

@@ -597,6 +597,69 @@ def test_a_chain_runs_each_step_after_the_previous_committed(setup) -> None:
     assert tail["plain got tail:from-first"] == handoff.id
 
 
+def test_a_chain_on_the_relays_own_grants_ends_dead_naming_the_grant(
+    setup, app_dsn: str, tmp_path: Path
+) -> None:
+    """A worker that runs durable tasks writes a chain's next step, and the
+    relay kind's grants have no INSERT: found by a new user running the
+    docs' chain under the documented relay role. The worker warns at start;
+    the step ends dead, its effect rolled back, its last_error naming the
+    grant and the command that sends it back; with the producer's grants
+    added, ``dead retry`` runs the chain to its end."""
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from outbox_relay import operations
+
+    role = f"outbox_durable_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(app_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute(operations.grants(role, "relay"))
+        # The bodies' own tables: the application's to grant.
+        admin.execute(sql.SQL("GRANT SELECT, INSERT ON runs, effects TO {}").format(ident))
+    s = Setup(make_conninfo(app_dsn, user=role), services.redis_url(), tmp_path)
+    try:
+        s.beat()
+        worker = s.worker()
+        assert "may not insert into public.outbox" in worker.text(), worker.text()[-3000:]
+        assert f"outbox-relay grant --role {role} --kind producer" in worker.text()
+        both = _write(app_dsn, chain(first.s("grants"), second.s("grants")))
+        first_id = both.parent.id
+        wait_for(
+            lambda: _row(app_dsn, first_id)["status"] == "dead",
+            timeout=60,
+            what=lambda: f"the first step dead\n{s.logs()[-3000:]}",
+        )
+        dead = _row(app_dsn, first_id)
+        assert "permission denied for table outbox" in dead["last_error"], dead
+        assert f"outbox-relay grant --role {role} --kind producer" in dead["last_error"]
+        assert f"outbox-relay dead retry {dead['id']}" in dead["last_error"]
+        assert _effects(app_dsn, "grants") == []  # rolled back with the done
+        with psycopg.connect(app_dsn, autocommit=True) as admin:
+            admin.execute(operations.grants(role, "producer"))
+        # The command as the message gives it, run as a person would.
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "outbox-relay"), "dead", "retry", str(dead["id"])],
+            env={**os.environ, "OUTBOX_DSN": app_dsn},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        wait_for(
+            lambda: len(_effects(app_dsn, "grants")) == 2,
+            timeout=60,
+            what=lambda: f"the chain ran to its end\n{s.logs()[-3000:]}",
+        )
+        wait_for(lambda: _all_done(app_dsn, [first_id, both.id]), timeout=30)
+    finally:
+        s.procs.stop_all()
+        with psycopg.connect(app_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
 # ------------------------------------------------------------------- docs
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "durable.md"
 

@@ -73,3 +73,33 @@ def test_a_missing_database_still_fails_at_once(dsn: str) -> None:
     with pytest.raises(ConfigError, match="cannot connect to OUTBOX_DSN"):
         inst.check_database(wait_seconds=20)
     assert time.monotonic() - started < 10
+
+
+def test_a_role_without_the_relays_grants_is_told_which_to_run(dsn: str) -> None:
+    """Connected, but refused the table: the error names the grant command,
+    not "cannot connect" (which sent a new user to the DSN)."""
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from outbox_relay import operations
+
+    role = f"outbox_nogrant_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+    try:
+        inst = _installation(make_conninfo(dsn, user=role))
+        with pytest.raises(ConfigError) as refused:
+            inst.check_database()
+        message = str(refused.value)
+        assert "cannot connect" not in message
+        assert f"role '{role}' may not use the outbox table public.outbox" in message
+        assert "permission denied" in message
+        assert f"`outbox-relay grant --role {role} --kind relay`" in message
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(operations.grants(role, "relay"))
+        inst.check_database()  # the grants it named are enough
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))

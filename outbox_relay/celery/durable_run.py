@@ -30,7 +30,7 @@ from celery.exceptions import Retry
 
 from .. import store
 from ..db import PoolDatabase
-from ..errors import ConfigError, OutboxError
+from ..errors import ConfigError, OutboxError, PermanentError
 from ..model import Claimed, LeaseRef, Outcome
 from ..services.keeper import renewal_period
 from ..services.policy import RetryPolicy, classify_task
@@ -339,7 +339,18 @@ def _succeeded(
             if not step.get("immutable"):
                 # Celery's chain rule: a step receives the previous result first.
                 step["args"] = [result, *list(step.get("args") or ())]
-            write_step(conn, inst.outbox, task.app, step, chain[1:])
+            try:
+                write_step(conn, inst.outbox, task.app, step, chain[1:])
+            except psycopg.errors.InsufficientPrivilege as exc:
+                # The relay's own grants have no INSERT; a chain's worker needs
+                # it. Dead at once: no retry succeeds until a person grants it.
+                raise PermanentError(
+                    f"the chain's next step ({step.get('task')}) cannot be written: this "
+                    f"worker's role {conn.info.user!r} may not insert into "
+                    f"{table.qualified} ({exc.diag.message_primary}). Give it the producer's "
+                    f"grants too (`{table.grant_command(conn.info.user, 'producer')}`), then "
+                    f"`{table.command(f'dead retry {claimed.id}')}`"
+                ) from None
         return True
 
     if chain:

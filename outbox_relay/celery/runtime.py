@@ -48,6 +48,7 @@ from ..services import (
 from ..services.policy import RetryPolicy
 from . import names
 from .canvas import CANVAS_EVENT_TYPE, CanvasPublisher
+from .durable import is_durable
 from .events import Observers, TaskEvents
 from .options import annotations_for, retry_policy, time_limits
 
@@ -398,6 +399,7 @@ class Installation:
         table = self.settings.outbox_table
         dsn = self.settings.require_dsn()
         deadline = time.monotonic() + wait_seconds
+        role: str | None = None
         try:
             kwargs = bounded_connection_kwargs(self.settings.database_timeout)
             while True:
@@ -405,8 +407,10 @@ class Installation:
                 try:
                     with psycopg.connect(dsn, **kwargs) as conn:
                         connected = True
+                        role = conn.info.user
                         exists = store.table_exists(conn, table=table)
                         missing = store.missing_migrations(conn, table=table) if exists else []
+                        inserts = not exists or store.may_insert(conn, table=table)
                     break
                 except psycopg.OperationalError as exc:
                     # After a connect, an OperationalError is a lost session,
@@ -420,6 +424,17 @@ class Installation:
                         connect_error(exc, dsn),
                     )
                     time.sleep(1.0)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            if role is None:  # refused at connect (no CONNECT on the database)
+                raise ConfigError(
+                    f"cannot connect to OUTBOX_DSN ({mask_dsn(dsn)}): {connect_error(exc, dsn)}"
+                ) from None
+            # Connected: "cannot connect" would send the reader to the DSN.
+            raise ConfigError(
+                f"the relay's role {role!r} may not use the outbox table {table.qualified} "
+                f"({exc.diag.message_primary}): print its grants with "
+                f"`{table.grant_command(role, 'relay')}` and run them as the table's owner"
+            ) from None
         except (psycopg.Error, ValueError, OSError) as exc:
             # libpq's text may quote the DSN, or pieces of its password read
             # as a host: connect_error scrubs it, or withholds it. (psycopg
@@ -437,6 +452,18 @@ class Installation:
             raise ConfigError(
                 f"the outbox table {table.qualified} lacks migration(s) "
                 f"{', '.join(map(str, missing))}: run `{table.migrate_command}` first"
+            )
+        durable = sorted(name for name, task in self.app.tasks.items() if is_durable(task))
+        if durable and not inserts:
+            log.warning(
+                "outbox-relay: this app has durable tasks (%s) and the relay's role %r may not "
+                "insert into %s: a durable chain's next step, written by the worker that ran "
+                "the step before, would fail and end dead. Give the role the producer's "
+                "grants too: `%s`",
+                ", ".join(durable[:5]) + (" ..." if len(durable) > 5 else ""),
+                role,
+                table.qualified,
+                table.grant_command(role, "producer"),
             )
 
     # ----------------------------------------------------- process state

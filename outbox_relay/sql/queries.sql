@@ -469,6 +469,11 @@ LISTEN {channel};
 -- format('%%I.%%I') quotes both names, so mixed-case names are found as written.
 SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT NULL;
 
+-- name: may_insert
+-- Whether this session's role may insert rows: a worker that runs durable
+-- tasks writes a chain's next step (the relay's own grant has no INSERT).
+SELECT has_table_privilege(format('%%I.%%I', %(schema)s::text, %(name)s::text), 'INSERT');
+
 -- name: bound_durable_session
 -- The sessions durable task runs hold for a whole run (their own pool, never
 -- the relay's): the fence check, the transaction the body writes its effect

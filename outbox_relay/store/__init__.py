@@ -36,7 +36,14 @@ from .relay import (
     reschedule,
     rescue,
 )
-from .schema import applied_migrations, listen, migrate, missing_migrations, table_exists
+from .schema import (
+    applied_migrations,
+    listen,
+    may_insert,
+    migrate,
+    missing_migrations,
+    table_exists,
+)
 
 __all__ = [
     "MAX_ERROR_LENGTH",
@@ -57,6 +64,7 @@ __all__ = [
     "listen",
     "mark_dead",
     "mark_done",
+    "may_insert",
     "migrate",
     "missing_migrations",
     "purge",

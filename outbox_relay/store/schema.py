@@ -125,6 +125,15 @@ def table_exists(conn: psycopg.Connection[Any], *, table: TableLike = None) -> b
     return bool(row and row[0])
 
 
+def may_insert(conn: psycopg.Connection[Any], *, table: TableLike = None) -> bool:
+    """Whether this session's role may insert into ``table`` (which must exist)."""
+    outbox = OutboxTable.parse(table)
+    params = {"schema": outbox.schema, "name": outbox.name}
+    with statement_tx(conn):
+        row = conn.execute(queries_for(outbox).may_insert, params).fetchone()
+    return bool(row and row[0])
+
+
 def applied_migrations(conn: psycopg.Connection[Any], *, table: TableLike = None) -> set[int]:
     """Versions applied to ``table`` (empty when it has no migrations table)."""
     outbox = OutboxTable.parse(table)
