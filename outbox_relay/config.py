@@ -254,6 +254,7 @@ class _Loadable:
                 raise ConfigError(
                     _unknown_message(dict.fromkeys(unknown_here, KEYWORD), set(names))
                 )
+            _refuse_misspelled_producer_names(set(names), conf, environ)
         values: dict[str, Any] = {}
         for name, f in names.items():
             found, raw, label = lookup_setting(name, conf, environ, overrides)
@@ -364,6 +365,31 @@ def _unknown_message(unknown: Mapping[str, NameSource], known: set[str]) -> str:
 def _refuse_unknown(
     known: set[str], conf: Any, environ: Mapping[str, str], overrides: Mapping[str, Any]
 ) -> None:
+    refuse_unknown_names(_found_names(conf, environ, overrides), known)
+
+
+def _refuse_misspelled_producer_names(
+    producer: set[str], conf: Any, environ: Mapping[str, str]
+) -> None:
+    """A producer refuses an unknown name whose closest setting is one it reads
+    (``OUTBOX_TABEL``: its rows would go to the default table), and leaves the
+    others to the relay: a relay setting misspelled in a shared ``.env``
+    never breaks ``enqueue``."""
+    known = set(Settings.field_names())
+    unknown = _unknown_names(_found_names(conf, environ, {}), known)
+    mine = {}
+    for name, source in unknown.items():
+        stem = name[: -len(_FILE)] if name.endswith(_FILE) else name
+        close = difflib.get_close_matches(stem, sorted(known), n=1)
+        if close and close[0] in producer:
+            mine[name] = source
+    if mine:
+        raise ConfigError(_unknown_message(mine, producer))
+
+
+def _found_names(
+    conf: Any, environ: Mapping[str, str], overrides: Mapping[str, Any]
+) -> dict[str, NameSource]:
     # Each name under the first source that has it (keyword, Celery, environment).
     found: dict[str, NameSource] = {}
     for key in environ:
@@ -373,7 +399,7 @@ def _refuse_unknown(
         if key.startswith("outbox_") and _conf_get(conf, key) is not None:
             found[key[len("outbox_") :]] = CELERY_SETTING
     found.update(dict.fromkeys(overrides, KEYWORD))
-    refuse_unknown_names(found, known)
+    return found
 
 
 def refuse_bad_values(values: Mapping[str, Any], source: NameSource) -> None:
@@ -394,7 +420,12 @@ def refuse_unknown_names(found: Mapping[str, NameSource], known: Iterable[str] =
     chunk_size?)``, ``OUTBOX_CHUNK_SIZ (did you mean OUTBOX_CHUNK_SIZE?)``).
     ``known``: the settings (default: every relay setting)."""
     known = set(known) or set(Settings.field_names())
+    unknown = _unknown_names(found, known)
+    if unknown:
+        raise ConfigError(_unknown_message(unknown, known | _PUBLISHER_OPTION_NAMES))
 
+
+def _unknown_names(found: Mapping[str, NameSource], known: set[str]) -> dict[str, NameSource]:
     def is_known(name: str) -> bool:
         if name.endswith(_FILE):
             # x_file stands for x; only for the relay's own settings and the
@@ -404,9 +435,7 @@ def refuse_unknown_names(found: Mapping[str, NameSource], known: Iterable[str] =
             return stem in known or stem in _PUBLISHER_OPTION_NAMES
         return name in known or name in _OTHER_NAMES or name in _PUBLISHER_OPTION_NAMES
 
-    unknown = {name: source for name, source in found.items() if not is_known(name)}
-    if unknown:
-        raise ConfigError(_unknown_message(unknown, known | _PUBLISHER_OPTION_NAMES))
+    return {name: source for name, source in found.items() if not is_known(name)}
 
 
 def refuse_unknown_environment(environ: Mapping[str, str] | None = None) -> None:

@@ -641,6 +641,33 @@ def test_migrate_prepares_the_table_enqueue_writes_to(
         _defaults.reset()
 
 
+def test_a_producer_refuses_a_misspelled_producer_setting(
+    conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OUTBOX_TABEL was ignored by producers: with a second team's public.outbox
+    present, enqueue wrote there. Refused now; a misspelled relay setting in a
+    shared .env is still the relay's to refuse."""
+    from outbox_relay import _defaults
+
+    monkeypatch.setenv("OUTBOX_TABEL", "billing.events_outbox")
+    _defaults.reset()
+    try:
+        with pytest.raises(
+            outbox_relay.ConfigError, match=r"OUTBOX_TABEL \(did you mean OUTBOX_TABLE\?\)"
+        ):
+            order_created(conn)
+        with pytest.raises(outbox_relay.ConfigError, match="OUTBOX_TABEL"):
+            outbox_relay.Outbox().enqueue(
+                conn, aggregate_type="o", aggregate_id="1", event_type="e", payload={}
+            )
+        monkeypatch.delenv("OUTBOX_TABEL")
+        monkeypatch.setenv("OUTBOX_LEASE_SECOND", "30")
+        _defaults.reset()
+        assert order_created(conn) > 0
+    finally:
+        _defaults.reset()
+
+
 def test_a_missing_table_names_the_call_that_creates_it(dsn: str) -> None:
     with (
         psycopg.connect(dsn, autocommit=True) as conn,
