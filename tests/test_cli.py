@@ -137,6 +137,7 @@ def test_missing_table_suggests_migrate(fresh_database: str) -> None:
         'column "waiting_since" does not exist: is the outbox public.outbox migrated to this '
         "version? Run `outbox-relay migrate` first"
     ) in result.output, result.output
+    assert "outbox tables in this database" not in result.output  # it exists
     assert "applied migration 8" in ok(cli("migrate", dsn=fresh_database))
     assert ok(cli("status", dsn=fresh_database))
 
@@ -148,6 +149,37 @@ def test_a_missing_table_of_another_name_suggests_migrate_with_its_table(
     result = cli("--table", "app.outbox", "status", dsn=fresh_database)
     assert result.exit_code == 1
     assert "Run `outbox-relay migrate --table app.outbox` first" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["dead", "list"],
+        ["dead", "retry", "--all"],
+        ["dead", "skip", "1"],
+        ["purge", "--older-than", "7d"],
+    ],
+)
+def test_a_mistyped_table_names_the_outbox_tables_there_are(
+    fresh_database: str, command: list[str]
+) -> None:
+    # Not only "migrate billing.event_outbox", which would make a second,
+    # empty outbox beside the one the operator meant.
+    result = cli(*command, "--table", "billing.event_outbox", dsn=fresh_database)
+    assert result.exit_code == 1
+    assert "(no outbox table in this database yet)" in result.output, result.output
+    ok(cli("migrate", dsn=fresh_database))
+    ok(cli("--table", "billing.events_outbox", "migrate", dsn=fresh_database))
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        conn.execute("CREATE TABLE billing.invoices (id int)")  # not an outbox
+    result = cli(*command, "--table", "billing.event_outbox", dsn=fresh_database)
+    assert result.exit_code == 1
+    assert (
+        "Run `outbox-relay migrate --table billing.event_outbox` first "
+        "(outbox tables in this database: billing.events_outbox, public.outbox)"
+    ) in result.output, result.output
 
 
 def test_migrate_as_a_role_that_may_not_create_says_who_can(fresh_database: str) -> None:

@@ -25,6 +25,8 @@ from rich.console import Console
 from .._redact import connect_error, mask_dsn, scrub
 from ..config import Settings, read_secret_file, refuse_unknown_environment
 from ..errors import ConfigError
+from ..store.ops import outbox_tables
+from ..store.schema import table_exists
 from ..table import OutboxTable
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+# A missing table's error names at most this many of the outbox tables there are.
+OUTBOX_TABLES_SHOWN = 10
 
 
 # ---------------------------------------------------------------- durations
@@ -182,16 +186,40 @@ class CliState:
             ) from None
         try:
             with conn:
-                yield conn
-        except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn) as exc:
-            # A missing column: a table migrated by an earlier release.
-            first_line = scrub(str(exc), dsn).strip().splitlines()[0]
-            raise click.ClickException(
-                f"{first_line}: is the outbox {self.table.qualified} migrated to this "
-                f"version? Run `{self.table.migrate_command}` first"
-            ) from None
+                try:
+                    yield conn
+                # Handled while the connection is open: the hint asks it more.
+                except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn) as exc:
+                    # A missing column: a table migrated by an earlier release.
+                    raise click.ClickException(self._not_migrated(conn, exc, dsn)) from None
         except psycopg.Error as exc:
             raise click.ClickException(scrub(str(exc), dsn).strip()) from None
+
+    def _not_migrated(self, conn: psycopg.Connection[Any], exc: psycopg.Error, dsn: str) -> str:
+        table = self.table
+        message = (
+            f"{_first_line(exc, dsn)}: is the outbox {table.qualified} migrated to this "
+            f"version? Run `{table.migrate_command}` first"
+        )
+        try:
+            if table_exists(conn, table=table):
+                return message
+            found = outbox_tables(conn)
+        except psycopg.Error:
+            return message  # the hint is a courtesy; the error above stands
+        # A mistyped --table must not read as "create this table": name the
+        # outbox tables there are.
+        if not found:
+            return f"{message} (no outbox table in this database yet)"
+        shown = ", ".join(found[:OUTBOX_TABLES_SHOWN])
+        more = len(found) - OUTBOX_TABLES_SHOWN
+        return f"{message} (outbox tables in this database: {shown}" + (
+            f" and {more} more)" if more > 0 else ")"
+        )
+
+
+def _first_line(exc: psycopg.Error, dsn: str) -> str:
+    return scrub(str(exc), dsn).strip().splitlines()[0]
 
 
 pass_state = click.make_pass_decorator(CliState)

@@ -152,6 +152,22 @@ DELETE FROM {table}
             LIMIT %(batch)s
               FOR UPDATE SKIP LOCKED));
 
+-- name: op_outbox_tables
+-- Every outbox table in the database, for the command line's "no such
+-- table" error: a table with its migrations table ({table}_migrations, made
+-- by the first migration) beside it in the same schema. pg_class is readable
+-- by every role, so a role that may not read the tables still gets the names.
+SELECT n.nspname, c.relname
+  FROM pg_class AS c
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE c.relkind IN ('r', 'p')
+   AND EXISTS (SELECT
+                 FROM pg_class AS m
+                WHERE m.relnamespace = c.relnamespace
+                  AND m.relname = c.relname || '_migrations'
+                  AND m.relkind IN ('r', 'p'))
+ ORDER BY n.nspname, c.relname;
+
 -- name: op_scrape_timeout
 -- Bounds one metrics scrape; transaction-local, so it is safe behind PgBouncer.
 SELECT set_config('statement_timeout', %(timeout)s, true);

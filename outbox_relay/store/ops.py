@@ -39,6 +39,7 @@ __all__ = [
     "get_row",
     "grants",
     "insert_demo_order",
+    "outbox_tables",
     "purge",
     "stats",
     "status",
@@ -359,6 +360,15 @@ def gauges(
         oldest_pending_age_seconds=float(found["oldest_pending_age_seconds"]),
         done_estimated=estimated,
     )
+
+
+# ---------------------------------------------------------------- schema
+def outbox_tables(conn: psycopg.Connection[Any]) -> list[str]:
+    """``schema.name`` of every outbox table in the database (one that has its
+    ``<name>_migrations`` table beside it), sorted; for a mistyped ``--table``."""
+    with statement_tx(conn):
+        rows = conn.execute(queries(None).op_outbox_tables).fetchall()
+    return [f"{schema}.{name}" for schema, name in rows]
 
 
 # ---------------------------------------------------------------- grants
