@@ -210,6 +210,38 @@ def test_migrate_as_a_role_that_may_not_create_says_who_can(fresh_database: str)
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
+def test_a_role_without_grants_is_told_which_to_ask_for(dsn: str) -> None:
+    role = f"ops_{uuid.uuid4().hex[:8]}"
+    as_role = make_conninfo(dsn, user=role)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        try:
+            ok(cli("--table", "app.events", "migrate", dsn=dsn))
+            hint = f"`outbox-relay grant --role {role} --kind operator` prints the GRANT"
+            for command in (["status"], ["dead", "list"], ["purge", "--older-than", "7d"]):
+                result = cli(*command, dsn=as_role)
+                assert result.exit_code == 1
+                assert "permission denied for table outbox" in result.output, result.output
+                assert hint in result.output, result.output
+            result = cli("--table", "app.events", "dead", "retry", "--all", dsn=as_role)
+            assert "--kind operator --table app.events` prints" in result.output, result.output
+            # Migrating needs the owner, not a grant, even where it may not
+            # read which migrations were applied.
+            result = cli("migrate", dsn=as_role)
+            assert result.exit_code == 1
+            assert "migrating public.outbox needs the role that owns it" in result.output, (
+                result.output
+            )
+            assert "outbox-relay grant" not in result.output
+            # The statements the hint names are the ones that were missing.
+            conn.execute(ok(cli("grant", "--role", role, "--kind", "operator")))
+            assert json.loads(ok(cli("status", "--json", dsn=as_role)))["dead"] == 0
+            assert "no dead messages" in ok(cli("dead", "list", dsn=as_role))
+        finally:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
 def test_missing_dsn_is_a_usage_error() -> None:
     result = cli("status")
     assert result.exit_code == 2

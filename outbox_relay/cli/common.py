@@ -11,6 +11,7 @@ and ``~/.pgpass``."""
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -188,10 +189,12 @@ class CliState:
             with conn:
                 try:
                     yield conn
-                # Handled while the connection is open: the hint asks it more.
+                # Handled while the connection is open: the hints ask it more.
                 except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn) as exc:
                     # A missing column: a table migrated by an earlier release.
                     raise click.ClickException(self._not_migrated(conn, exc, dsn)) from None
+                except pg_errors.InsufficientPrivilege as exc:
+                    raise click.ClickException(self._not_granted(conn, exc, dsn)) from None
         except psycopg.Error as exc:
             raise click.ClickException(scrub(str(exc), dsn).strip()) from None
 
@@ -215,6 +218,19 @@ class CliState:
         more = len(found) - OUTBOX_TABLES_SHOWN
         return f"{message} (outbox tables in this database: {shown}" + (
             f" and {more} more)" if more > 0 else ")"
+        )
+
+    def _not_granted(self, conn: psycopg.Connection[Any], exc: psycopg.Error, dsn: str) -> str:
+        # Every command that reaches here (status, dead, purge, migrate --sql)
+        # needs what `grant --kind operator` gives; migrate itself needs the
+        # table's owner and says so (migrate.py).
+        command = f"outbox-relay grant --role {shlex.quote(conn.info.user)} --kind operator"
+        if self.table != OutboxTable():
+            command += f" --table {shlex.quote(self.table.qualified)}"
+        return (
+            f"{_first_line(exc, dsn)}: the role {conn.info.user} lacks an operator's "
+            f"privileges on {self.table.qualified}; `{command}` prints the GRANT statements "
+            "for the table's owner to run"
         )
 
 

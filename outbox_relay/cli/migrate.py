@@ -39,14 +39,23 @@ def migrate_command(state: CliState, show_sql: bool) -> None:
             # Its transaction rolled back; the session is usable. A role that
             # may read the table but not create in its schema (the relay's or
             # an operator's) has nothing to do when nothing is pending.
-            missing = schema.missing_migrations(conn, table=table)
-            if not missing:
+            try:
+                missing: list[int] | None = schema.missing_migrations(conn, table=table)
+            except psycopg.errors.InsufficientPrivilege:
+                # Nor may it read which were applied. Still the owner's job,
+                # not a grant's (the hint connect() would give).
+                missing = None
+            if missing == []:
                 click.echo(f"{table.qualified} is up to date; no migration applied")
                 return
             first_line = str(exc).strip().splitlines()[0]
+            what = (
+                f"migration(s) {', '.join(map(str, missing))} of {table.qualified} need"
+                if missing
+                else f"migrating {table.qualified} needs"
+            )
             raise click.ClickException(
-                f"{first_line}: migration(s) {', '.join(map(str, missing))} of "
-                f"{table.qualified} need the role that owns it (the one that ran the first "
+                f"{first_line}: {what} the role that owns it (the one that ran the first "
                 "migration) or a superuser; run it as that role, or review "
                 "`outbox-relay migrate --sql` for a DBA to apply"
             ) from None
