@@ -341,7 +341,9 @@ def test_dead_list_filters(dsn: str, conn: psycopg.Connection[Any]) -> None:
     text = ok(cli("dead", "list", dsn=dsn))
     assert "…" in text and "(last errors cut to 160 characters; --json shows them whole)" in text
     assert json.loads(ok(cli("dead", "list", "--json", dsn=dsn)))[-1]["last_error"] == long
-    assert "no dead messages match" in ok(cli("dead", "list", "--aggregate-id", "zz", dsn=dsn))
+    assert "no dead messages in public.outbox match" in ok(
+        cli("dead", "list", "--aggregate-id", "zz", dsn=dsn)
+    )
 
 
 def ordered_aggregate(conn: psycopg.Connection[Any]) -> tuple[int, int]:
@@ -359,7 +361,7 @@ def test_dead_retry_unblocks_an_ordered_aggregate(dsn: str, conn: psycopg.Connec
     head, successor = ordered_aggregate(conn)
     before = row(conn, head)
     out = ok(cli("dead", "retry", str(head), dsn=dsn))
-    assert f"retried 1 dead message(s): {head}" in out
+    assert f"retried 1 dead message(s) in public.outbox: {head}" in out
     after = row(conn, head)
     assert after["status"] == "pending" and after["attempts"] == 0
     assert after["available_at"] <= datetime.now(timezone.utc)
@@ -376,7 +378,7 @@ def test_dead_retry_unblocks_an_ordered_aggregate(dsn: str, conn: psycopg.Connec
 def test_dead_skip_unblocks_an_ordered_aggregate(dsn: str, conn: psycopg.Connection[Any]) -> None:
     head, successor = ordered_aggregate(conn)
     out = ok(cli("dead", "skip", str(head), dsn=dsn))
-    assert f"skipped 1 dead message(s): {head}" in out
+    assert f"skipped 1 dead message(s) in public.outbox: {head}" in out
     skipped = row(conn, head)
     assert skipped["status"] == "done" and skipped["done_at"] is not None
     assert skipped["last_error"].startswith("skipped by an operator, not delivered")
@@ -393,22 +395,50 @@ def test_dead_commands_touch_only_dead_rows(dsn: str, conn: psycopg.Connection[A
     # An id that is not dead is reported and fails the command; the dead one changes.
     mixed = cli("dead", "retry", str(dead[0]), str(alive), "999999", dsn=dsn)
     assert mixed.exit_code == 1
-    assert f"retried 1 dead message(s): {dead[0]}" in mixed.output
-    assert f"not dead (or missing), left unchanged: {alive}, 999999" in mixed.output
+    assert f"retried 1 dead message(s) in public.outbox: {dead[0]}" in mixed.output
+    assert f"not dead (or missing) in public.outbox, left unchanged: {alive}, 999999" in (
+        mixed.output
+    )
     assert row(conn, alive)["status"] == "pending" and row(conn, alive)["attempts"] == 0
     assert cli("dead", "skip", str(alive), dsn=dsn).exit_code == 1
     assert row(conn, alive)["status"] == "pending"
     # --all with a filter retries just what matches.
     out = ok(cli("dead", "retry", "--all", "--event-type", "order.paid", dsn=dsn))
-    assert f"retried 1 dead message(s): {dead[1]}" in out
+    assert f"retried 1 dead message(s) in public.outbox: {dead[1]}" in out
     assert row(conn, other)["status"] == "dead"
-    assert f"retried 1 dead message(s): {other}" in ok(cli("dead", "retry", "--all", dsn=dsn))
-    assert "retried 0 dead message(s)" in ok(cli("dead", "retry", "--all", dsn=dsn))
+    assert f"retried 1 dead message(s) in public.outbox: {other}" in ok(
+        cli("dead", "retry", "--all", dsn=dsn)
+    )
+    assert "retried 0 dead message(s) in public.outbox" in ok(
+        cli("dead", "retry", "--all", dsn=dsn)
+    )
     # Argument mistakes are usage errors.
     assert cli("dead", "retry", dsn=dsn).exit_code == 2
     assert cli("dead", "retry", "--all", str(other), dsn=dsn).exit_code == 2
     assert cli("dead", "retry", str(other), "--event-type", "x", dsn=dsn).exit_code == 2
     assert cli("dead", "skip", dsn=dsn).exit_code == 2
+
+
+def test_dead_and_purge_name_the_table_they_acted_on(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    t0 = past(hours=1)
+    [dead] = add(conn, at=t0)
+    make_dead(conn, [dead], t0, "boom")
+    ok(cli("--table", "app.events", "migrate", dsn=dsn))
+    # The id is dead in public.outbox, not in app.events: the output says where it looked.
+    result = cli("--table", "app.events", "dead", "retry", str(dead), dsn=dsn)
+    assert result.exit_code == 1
+    assert "retried 0 dead message(s) in app.events" in result.output, result.output
+    assert f"not dead (or missing) in app.events, left unchanged: {dead}" in result.output
+    result = cli("dead", "skip", str(dead), "--table", "app.events", dsn=dsn)
+    assert "skipped 0 dead message(s) in app.events" in result.output, result.output
+    assert row(conn, dead)["status"] == "dead"
+    out = ok(cli("--table", "app.events", "purge", "--older-than", "1d", dsn=dsn))
+    assert "purged 0 done message(s) from app.events finished before" in out
+    assert f"retried 1 dead message(s) in public.outbox: {dead}" in ok(
+        cli("dead", "retry", str(dead), dsn=dsn)
+    )
 
 
 # ---------------------------------------------------------------- purge
@@ -430,7 +460,8 @@ def test_purge_deletes_old_done_rows_in_batches(dsn: str, conn: psycopg.Connecti
     first = ok(
         cli("purge", "--older-than", "7d", "--batch-size", "3", "--max-batches", "1", dsn=dsn)
     )
-    assert "purged 3 done message(s)" in first and "in 1 batch(es) of at most 3" in first
+    assert "purged 3 done message(s) from public.outbox" in first
+    assert "in 1 batch(es) of at most 3" in first
     assert "stopped at --max-batches, more are left (run it again)" in first
     rest = ok(cli("purge", "--older-than", "7d", "--batch-size", "3", dsn=dsn))
     assert "purged 4 done message(s)" in rest and "in 2 batch(es)" in rest  # 3 + 1
@@ -512,7 +543,9 @@ def test_celery_outbox_command_uses_the_app_settings(
         return done.stdout
 
     assert json.loads(celery("status", "--json"))["dead"] == 1
-    assert f"retried 1 dead message(s): {dead}" in celery("dead", "retry", str(dead))
+    assert f"retried 1 dead message(s) in public.outbox: {dead}" in celery(
+        "dead", "retry", str(dead)
+    )
     assert row(conn, dead)["status"] == "pending"
 
 

@@ -11,6 +11,7 @@ import click
 from rich.table import Table
 
 from .. import operations
+from ..table import OutboxTable
 from .common import CliState, Duration, command_options, console, pass_state
 
 __all__ = ["dead_group"]
@@ -92,7 +93,7 @@ def dead_list_command(
         return
     out = console()
     if not rows:
-        out.print("no dead messages match")
+        out.print(f"no dead messages in {state.table.qualified} match")
         return
     table = Table(title=f"dead messages in {state.table.qualified}", title_justify="left")
     for column in ("id", "event type", "aggregate", "attempts", "created", "last error"):
@@ -117,12 +118,20 @@ def dead_list_command(
         out.print(f"(first {limit}; raise --limit or narrow the filters for more)")
 
 
-def _report(verb: str, changed: list[int], asked: tuple[int, ...]) -> None:
-    click.echo(f"{verb} {len(changed)} dead message(s)" + (f": {_ids(changed)}" if changed else ""))
+def _report(verb: str, changed: list[int], asked: tuple[int, ...], table: OutboxTable) -> None:
+    # The table is named: with two outbox tables, ids alone do not say
+    # which one was changed (or lacks them).
+    where = table.qualified
+    click.echo(
+        f"{verb} {len(changed)} dead message(s) in {where}"
+        + (f": {_ids(changed)}" if changed else "")
+    )
     missing = sorted(set(asked) - set(changed))
     if missing:
         # A script must notice that an id it named was not dead: exit 1.
-        raise click.ClickException(f"not dead (or missing), left unchanged: {_ids(missing)}")
+        raise click.ClickException(
+            f"not dead (or missing) in {where}, left unchanged: {_ids(missing)}"
+        )
 
 
 def _ids(ids: list[int]) -> str:
@@ -162,7 +171,7 @@ def dead_retry_command(
         changed = operations.dead_retry(
             conn, None if all_dead else ids, all_dead=all_dead, where=where, table=state.table
         )
-    _report("retried", changed, ids)
+    _report("retried", changed, ids, state.table)
 
 
 @dead_group.command("skip", cls=_IdsCommand)
@@ -177,4 +186,4 @@ def dead_skip_command(state: CliState, ids: tuple[int, ...]) -> None:
     """
     with state.connect() as conn:
         changed = operations.dead_skip(conn, ids, table=state.table)
-    _report("skipped", changed, ids)
+    _report("skipped", changed, ids, state.table)

@@ -41,7 +41,7 @@ def purge_command(
             table=state.table,
         )
     click.echo(
-        f"purged {result.deleted} done message(s) finished before "
+        f"purged {result.deleted} done message(s) from {state.table.qualified} finished before "
         f"{result.cutoff.isoformat(timespec='seconds')} "
         f"in {result.batches} batch(es) of at most {batch_size}"
         + ("; stopped at --max-batches, more are left (run it again)" if result.more_left else "")
