@@ -99,6 +99,13 @@ def test_status_table_and_watch(dsn: str, conn: psycopg.Connection[Any]) -> None
     assert all(json.loads(line)["dead"] == 1 for line in lines)
 
 
+def test_status_json_says_null_where_the_table_says_none(dsn: str) -> None:
+    # Nothing awaits delivery: no age at all, not a message that is 0.0 s old.
+    assert json.loads(ok(cli("status", "--json", dsn=dsn)))["oldest_pending_age_seconds"] is None
+    text = ok(cli("status", dsn=dsn))
+    assert "oldest awaiting delivery" in text and "none" in text
+
+
 def test_status_never_prints_the_password(dsn: str) -> None:
     secret = "s3cret-Pa55"
     # The test server trusts local connections, so any password gets in.
