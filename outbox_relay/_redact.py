@@ -307,17 +307,65 @@ def connect_error(exc: BaseException, dsn: str) -> str:
     (``password_is_unambiguous``), its message may quote a piece of the
     password as a host or a port, in a form no scrubbing can be sure to
     find: the message is then withheld, and the reader is told why and what
-    to fix.
+    to fix. A DSN libpq cannot parse at all (``?application_nam=x``,
+    ``postgres//host``) gives no password to misread; its message names what
+    it could not parse, and is shown unless some piece of it could be a piece
+    of the password.
     """
     name = type(exc).__name__
-    if not password_is_unambiguous(dsn):
-        return (
-            f"{name} (the driver's message is withheld: libpq does not read the password "
-            "where it is written, so the message could quote part of it; percent-encode "
-            "@ : / ? # & in a URL's password, e.g. @ as %40, or quote it in key=value form)"
-        )
     lines = str(exc).strip().splitlines()
-    return f"{name}: {scrub(lines[0], dsn)}" if lines else name
+    first = lines[0] if lines else ""
+    if password_is_unambiguous(dsn):
+        return f"{name}: {scrub(first, dsn)}" if first else name
+    if not _parses(dsn):
+        if not _may_quote(first, _conceivable_passwords(dsn)):
+            return f"{name}: {first}" if first else name
+        return (
+            f"{name} (the driver's message is withheld: libpq cannot parse the DSN and its "
+            "message quotes a part that may hold the password; check its form, "
+            "postgresql://USER:PASSWORD@HOST:PORT/DBNAME?PARAM=VALUE or key=value pairs, "
+            "and percent-encode @ : / ? # & % in a URL's password, e.g. @ as %40)"
+        )
+    return (
+        f"{name} (the driver's message is withheld: libpq does not read the password "
+        "where it is written, so the message could quote part of it; percent-encode "
+        "@ : / ? # & in a URL's password, e.g. @ as %40, or quote it in key=value form)"
+    )
+
+
+def _parses(dsn: str) -> bool:
+    try:
+        _libpq_password(dsn)
+    except (psycopg.ProgrammingError, ValueError):
+        return False
+    return True
+
+
+def _conceivable_passwords(dsn: str) -> set[str]:
+    """``_passwords``, and every stretch of a DSN libpq could not parse that
+    could hold a password: from ``password`` to the end (an unquoted value
+    may run on past a space, a query's past a raw ``&name=``) and, for a
+    mistyped URL, what comes before its last ``@`` (a ``=`` in it makes it
+    look like key=value)."""
+    found = _passwords(dsn)
+    at = dsn.lower().find("password")
+    if at >= 0:
+        found.add(dsn[at + len("password") :])
+    # libpq's own test: any other "scheme://" is key=value text to it.
+    if not dsn.startswith(("postgresql://", "postgres://")):
+        credentials = _spec_credentials(dsn)
+        if credentials:
+            found.add(credentials[1])
+    return {p for p in found if p}
+
+
+def _may_quote(text: str, secrets: set[str]) -> bool:
+    """True when ``text`` holds a secret, or any word of it (however short)
+    is a piece of one: stricter than ``scrub``, which leaves words under
+    three characters alone to keep messages readable."""
+    if any(secret in text for secret in secrets):
+        return True
+    return any(word in secret for word in _TOKEN.findall(text) for secret in secrets)
 
 
 class Secret:

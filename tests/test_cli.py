@@ -118,6 +118,47 @@ def test_status_never_prints_the_password(dsn: str) -> None:
     assert "cannot connect to" in failed.output and secret not in failed.output
 
 
+def test_a_dsn_libpq_cannot_parse_shows_its_message_unless_it_may_hold_the_password(
+    dsn: str,
+) -> None:
+    p = conninfo_to_dict(dsn)
+    server = f"{p.get('host', '127.0.0.1')}:{p.get('port', 5432)}/{p['dbname']}"
+
+    def refused(bad: str) -> str:
+        result = cli("status", dsn=bad)
+        assert result.exit_code == 1 and "cannot connect to" in result.output, result.output
+        return result.output
+
+    # No password, or one libpq's message does not quote: its message is the help.
+    for bad in (
+        f"postgresql://postgres@{server}?application_nam=x",
+        f"postgresql://postgres:plainpw@{server}?application_nam=x",
+    ):
+        out = refused(bad)
+        assert 'invalid URI query parameter: "application_nam"' in out, out
+        assert "withheld" not in out and "plainpw" not in out
+    out = refused("postgres//127.0.0.1")
+    assert 'missing "=" after "postgres//127.0.0.1" in connection info string' in out, out
+    # A message that may quote the password: withheld, with what to check;
+    # also where the password's extent cannot be told (an "=" in a mistyped
+    # URL, a space in an unquoted value, a raw "&name=" in a query's).
+    for bad in (
+        "postgres//postgres:Zq7secretpw@127.0.0.1",
+        "postgres//postgres:Zq7sec=ret@127.0.0.1",
+        "host=127.0.0.1 password=plain Zq7secret application_nam=x",
+    ):
+        out = refused(bad)
+        assert "withheld: libpq cannot parse the DSN" in out and "Zq7" not in out, out
+    # (The masked DSN shows "&Zq7secret=1" as a parameter of its own, as
+    # libpq reads it; the driver's message is what is judged here.)
+    reason = refused(f"postgresql://{server}?password=plain&Zq7secret=1").partition(": Prog")[2]
+    assert "withheld: libpq cannot parse the DSN" in reason and "Zq7" not in reason, reason
+    # What the percent-encoding hint was made for: libpq takes "se" for the
+    # password and "cret99@..." for the host, and its message would say so.
+    out = refused(f"postgresql://postgres:se@cret99@{server}")
+    assert "percent-encode @ : / ? # &" in out and "cret99" not in out, out
+
+
 def test_mask_dsn_forms() -> None:
     assert mask_dsn("postgresql://app:pw@db:5432/x?sslmode=require") == (
         "postgresql://app:****@db:5432/x?sslmode=require"
