@@ -597,6 +597,32 @@ def test_celery_outbox_command_uses_the_app_settings(
     assert row(conn, dead)["status"] == "pending"
 
 
+def test_celery_outbox_help_shows_the_apps_table(dsn: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({"CLI_APP_DSN": dsn, "CLI_APP_TABLE": "billing.x", "PYTHONPATH": str(ROOT)})
+
+    def celery(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(BIN / "celery"), "-A", "tests.apps.cli_app", "outbox", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+            timeout=60,
+            check=False,
+        )
+
+    shown = celery("--help")
+    assert shown.returncode == 0, shown.stderr
+    # Not "default: outbox": the table the commands will use.
+    assert "default: billing.x]" in " ".join(shown.stdout.split()), shown.stdout
+    failed = celery("status")
+    assert failed.returncode == 1
+    assert "migrate --table billing.x` first (outbox tables in this database: public.outbox)" in (
+        failed.stderr
+    ), failed.stderr
+
+
 def test_celery_command_is_the_same_cli() -> None:
     assert celery_command.name == "outbox"
     assert set(celery_command.commands) == set(main.commands)

@@ -93,6 +93,15 @@ def console(stderr: bool = False) -> Console:
 
 
 # ---------------------------------------------------------------- state
+def app_settings(app: Any) -> Settings:
+    """A Celery app's outbox settings; raises ``ConfigError``."""
+    # An app that ran outbox_relay.install() already holds validated
+    # settings; any other app's configuration is read the same way.
+    runtime = getattr(app, "outbox_relay", None)
+    settings = getattr(runtime, "settings", None)
+    return settings if isinstance(settings, Settings) else Settings.load(app.conf)
+
+
 @dataclass
 class CliState:
     """What the group options resolved to, shared by every command.
@@ -114,14 +123,8 @@ class CliState:
 
     def _app_settings(self) -> Settings:
         if self._settings is None:
-            # An app that ran outbox_relay.install() already holds validated
-            # settings; any other app's configuration is read the same way.
-            runtime = getattr(self.app, "outbox_relay", None)
-            settings = getattr(runtime, "settings", None)
             try:
-                self._settings = (
-                    settings if isinstance(settings, Settings) else Settings.load(self.app.conf)
-                )
+                self._settings = app_settings(self.app)
             except ConfigError as exc:
                 raise click.ClickException(f"the Celery app's outbox settings: {exc}") from None
         return self._settings
@@ -250,6 +253,21 @@ def _check_table(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+class _TableOption(click.Option):
+    """``--table``, whose default under ``celery -A APP outbox`` is the app's
+    table, so that ``--help`` shows the one the commands will use."""
+
+    def get_default(self, ctx: click.Context, call: bool = True) -> Any:
+        # Celery's group put a CLIContext holding the app in ctx.obj.
+        app = getattr(ctx.obj, "app", None)
+        if app is not None:
+            try:
+                return app_settings(app).outbox_table.qualified
+            except ConfigError:
+                pass  # the command reports it, naming the setting (CliState.table)
+        return super().get_default(ctx, call=call)
+
+
 def _warn_password_on_command_line(dsn: str | None) -> None:
     """Say on stderr, without the password, that ``--dsn`` exposes it.
 
@@ -279,6 +297,7 @@ def group_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--table",
+        cls=_TableOption,
         envvar="OUTBOX_TABLE",
         default="outbox",
         show_default=True,

@@ -10,3 +10,5 @@ from celery import Celery
 
 app = Celery("cli_app")
 app.conf.outbox_dsn = os.environ["CLI_APP_DSN"]
+if os.environ.get("CLI_APP_TABLE"):
+    app.conf.outbox_table = os.environ["CLI_APP_TABLE"]
