@@ -11,7 +11,6 @@ and ``~/.pgpass``."""
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -227,9 +226,7 @@ class CliState:
         # Every command that reaches here (status, dead, purge, migrate --sql)
         # needs what `grant --kind operator` gives; migrate itself needs the
         # table's owner and says so (migrate.py).
-        command = f"outbox-relay grant --role {shlex.quote(conn.info.user)} --kind operator"
-        if self.table != OutboxTable():
-            command += f" --table {shlex.quote(self.table.qualified)}"
+        command = self.table.grant_command(conn.info.user, "operator")
         return (
             f"{_first_line(exc, dsn)}: the role {conn.info.user} lacks an operator's "
             f"privileges on {self.table.qualified}; `{command}` prints the GRANT statements "
