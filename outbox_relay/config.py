@@ -53,6 +53,7 @@ __all__ = [
     "hide_secrets",
     "lookup_setting",
     "refuse_bad_values",
+    "refuse_misspelled_producer_names",
     "refuse_unknown_environment",
     "refuse_unknown_names",
 ]
@@ -254,7 +255,7 @@ class _Loadable:
                 raise ConfigError(
                     _unknown_message(dict.fromkeys(unknown_here, KEYWORD), set(names))
                 )
-            _refuse_misspelled_producer_names(set(names), conf, environ)
+            refuse_misspelled_producer_names(_found_names(conf, environ, {}))
         values: dict[str, Any] = {}
         for name, f in names.items():
             found, raw, label = lookup_setting(name, conf, environ, overrides)
@@ -368,15 +369,14 @@ def _refuse_unknown(
     refuse_unknown_names(_found_names(conf, environ, overrides), known)
 
 
-def _refuse_misspelled_producer_names(
-    producer: set[str], conf: Any, environ: Mapping[str, str]
-) -> None:
+def refuse_misspelled_producer_names(found: Mapping[str, NameSource]) -> None:
     """A producer refuses an unknown name whose closest setting is one it reads
     (``OUTBOX_TABEL``: its rows would go to the default table), and leaves the
     others to the relay: a relay setting misspelled in a shared ``.env``
     never breaks ``enqueue``."""
     known = set(Settings.field_names())
-    unknown = _unknown_names(_found_names(conf, environ, {}), known)
+    producer = set(ProducerSettings.field_names())
+    unknown = _unknown_names(found, known)
     mine = {}
     for name, source in unknown.items():
         stem = name[: -len(_FILE)] if name.endswith(_FILE) else name

@@ -150,6 +150,26 @@ class OutboxTests(TransactionTestCase):
         ):
             install(Celery("misspelled"), lease_second=30)
 
+    def test_a_misspelled_producer_setting_stops_the_producers_too(self) -> None:
+        from django.test import override_settings
+
+        from outbox_relay import ConfigError
+        from outbox_relay.integrations.django import conf
+
+        # OUTBOX_TABEL: the web process wrote to the default table, which
+        # nobody relayed; only the relay's worker named the typo.
+        made, conf._outbox = conf._outbox, None
+        try:
+            with (
+                override_settings(OUTBOX_TABEL="shop.events_outbox"),
+                self.assertRaisesMessage(
+                    ConfigError, "settings.py OUTBOX_TABEL (did you mean OUTBOX_TABLE?)"
+                ),
+            ):
+                conf.outbox()
+        finally:
+            conf._outbox = made
+
     def test_a_bad_value_is_named_where_it_was_written(self) -> None:
         from celery import Celery
         from django.test import override_settings

@@ -23,6 +23,7 @@ from ...config import (
     ProducerSettings,
     env_name,
     refuse_bad_values,
+    refuse_misspelled_producer_names,
     refuse_unknown_names,
 )
 from ...errors import ConfigError
@@ -88,7 +89,11 @@ def outbox() -> Outbox:
     global _outbox
     with _lock:
         if _outbox is None:
-            producer = {k: v for k, v in _from_settings().items() if k in _PRODUCER_FIELDS}
+            written = _from_settings()
+            # OUTBOX_TABEL in settings.py: refused here, in every process
+            # that produces, not only by the relay's worker.
+            refuse_misspelled_producer_names(dict.fromkeys(written, _SETTINGS_PY))
+            producer = {k: v for k, v in written.items() if k in _PRODUCER_FIELDS}
             refuse_bad_values(producer, _SETTINGS_PY)
             _outbox = configure(**producer)
         return _outbox
