@@ -137,6 +137,7 @@ class Outbox:
 
     def migrate(self, conn: psycopg.Connection[Any]) -> list[int]:
         """Apply the migrations this outbox's table lacks; the versions applied."""
+        producer.require_psycopg(conn, "migrate")
         return store.migrate(conn, table=self.table)
 
     @property
@@ -211,5 +212,6 @@ def migrate(conn: psycopg.Connection[Any], *, table: OutboxTable | str | None = 
     ``OUTBOX_TABLE``, else ``outbox``), so that the two never disagree.
     Idempotent, and safe when several processes run it at once.
     """
+    producer.require_psycopg(conn, "migrate")
     chosen = _defaults.producer_settings().outbox_table if table is None else table
     return store.migrate(conn, table=chosen)

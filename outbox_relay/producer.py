@@ -25,7 +25,15 @@ from .store._base import begin_caller_transaction
 from .store.producer import insert_messages
 from .table import OutboxTable
 
-__all__ = ["RESERVED_EVENT_TYPES", "Batch", "NewMessage", "enqueue", "enqueue_many", "prepare"]
+__all__ = [
+    "RESERVED_EVENT_TYPES",
+    "Batch",
+    "NewMessage",
+    "enqueue",
+    "enqueue_many",
+    "prepare",
+    "require_psycopg",
+]
 
 # Event types outbox-relay writes itself: a durable Celery task's row, which
 # the relay runs as that task. A plain message of this type would be sent as
@@ -181,6 +189,35 @@ def prepare(
     )
 
 
+def require_psycopg(conn: Any, call: str) -> None:
+    """Refuse, naming the call that takes it, a connection ``call`` cannot use:
+    a SQLAlchemy Session failed with "'Session' object has no attribute
+    'autocommit'"."""
+    if isinstance(conn, psycopg.Connection):
+        return
+    module = type(conn).__module__
+    if module.startswith("sqlalchemy."):
+        hint = (
+            f"; for a SQLAlchemy Session or Connection use outbox_relay.integrations.sqlalchemy."
+            f"{call}(session, ...), or outbox_relay.{call}(psycopg_connection(session), ...)"
+            if call != "migrate"
+            else "; give it outbox_relay.integrations.sqlalchemy.psycopg_connection(session)"
+        )
+    elif module.startswith("django."):
+        hint = (
+            "; in Django use outbox_relay.integrations.django.enqueue(...)"
+            if call != "migrate"
+            else "; in Django, manage.py migrate creates the table"
+        )
+    elif isinstance(conn, psycopg.AsyncConnection) or module.startswith("asyncpg"):
+        hint = f"; for an asyncio connection, await outbox_relay.aio.{call}(conn, ...)"
+    else:
+        hint = ""
+    raise InvalidMessage(
+        f"outbox_relay.{call} needs a psycopg 3 connection, not {type(conn).__name__}{hint}"
+    )
+
+
 def enqueue_many(
     conn: psycopg.Connection[Any],
     messages: Iterable[NewMessage],
@@ -202,6 +239,7 @@ def enqueue_many(
     message; an ordered message takes its aggregate's lock (so that id order
     equals commit order) and is marked ordered on its row.
     """
+    require_psycopg(conn, "enqueue")
     batch = prepare(
         messages,
         settings=settings,

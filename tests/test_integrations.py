@@ -94,6 +94,26 @@ def test_sqlalchemy_connection_commit_and_rollback(engine: Engine, dsn: str) -> 
     assert rows(dsn) == ([], ["4"])
 
 
+def test_the_core_api_given_a_session_names_the_call_that_takes_one(engine: Engine) -> None:
+    """outbox_relay.enqueue(session, ...) failed with "'Session' object has no
+    attribute 'autocommit'"; apply_async takes a Session, so people try."""
+    import outbox_relay
+    from outbox_relay.integrations.sqlalchemy import psycopg_connection
+
+    with Session(engine) as session, session.begin():
+        with pytest.raises(
+            outbox_relay.InvalidMessage,
+            match=r"outbox_relay.enqueue needs a psycopg 3 connection, not Session; .*"
+            r"outbox_relay.integrations.sqlalchemy.enqueue\(session",
+        ):
+            outbox_relay.enqueue(session, **event(1))
+        with pytest.raises(outbox_relay.InvalidMessage, match=r"psycopg_connection\(session\)"):
+            outbox_relay.migrate(session)
+        # What the message says works.
+        assert outbox_relay.migrate(psycopg_connection(session)) == []
+        assert outbox_relay.enqueue(psycopg_connection(session), **event(1)) > 0
+
+
 def test_sqlalchemy_rejects_other_drivers() -> None:
     sqlite = create_engine("sqlite://")
     with Session(sqlite) as session, pytest.raises(TypeError, match=r"postgresql\+psycopg"):
