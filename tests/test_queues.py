@@ -75,6 +75,16 @@ def _node() -> tuple[str, str]:
     return f"{name}@%h", f"{name}@{socket.gethostname()}"
 
 
+def _exited_or_ready(worker: Any) -> str:
+    """The worker's log once it has exited or become ready."""
+    kit.wait_until(
+        lambda: not worker.alive() or " ready." in worker.text(),
+        timeout=60,
+        what="the worker to exit or get ready",
+    )
+    return str(worker.text())
+
+
 def _charges(dsn: str, order_id: int) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -168,12 +178,7 @@ def test_a_worker_for_the_relay_queue_refuses_settings_it_cannot_read(shop):
     # the settings name, as written, is the one it consumes.
     procs = shop(OUTBOX_LEASE_SECONDS="abc")
     worker = procs.worker(args=("-Q", "outbox"), ready=False)
-    kit.wait_until(
-        lambda: not worker.alive() or " ready." in worker.text(),
-        timeout=60,
-        what="the worker to exit or get ready",
-    )
-    log = worker.text()
+    log = _exited_or_ready(worker)
     assert " ready." not in log, f"a relay worker started with OUTBOX_LEASE_SECONDS=abc:\n{log}"
     assert "OUTBOX_LEASE_SECONDS" in log, log[-3000:]
     # A worker for the app's other queues still starts, and says why it ignores them.
@@ -208,12 +213,7 @@ def test_worker_for_the_routed_relay_queue_validates_the_relay(shop):
     queue = kit.unique("relay-q")
     procs = shop(SHOP_RELAY_ROUTE=queue, SHOP_PUBLISHER=BAD_PUBLISHER)
     worker = procs.worker(args=("-Q", queue), ready=False)
-    kit.wait_until(
-        lambda: not worker.alive() or " ready." in worker.text(),
-        timeout=60,
-        what="the worker to exit or get ready",
-    )
-    log = worker.text()
+    log = _exited_or_ready(worker)
     assert " ready." not in log, f"a relay worker started with a bad publisher:\n{log[-3000:]}"
     assert "OUTBOX_PUBLISHER" in log and "no_such_module" in log, log[-3000:]
 
