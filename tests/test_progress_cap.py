@@ -22,8 +22,10 @@ import signal
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
+from . import services
 from .apps import kit
 from .celery_procs import CeleryProcs
 
@@ -148,3 +150,45 @@ def test_worker_killed_at_the_in_flight_cap_and_broker_flushed(dsn, tmp_path: Pa
     # No freeze short of the end either: after the fresh worker is up, done
     # grows again once the stranded leases expire and keeps growing.
     assert stall <= 2 * LEASE, f"done stood still for {stall:.1f}s after the fresh worker started"
+
+
+def test_a_claim_rescues_when_no_rescue_task_reaches_its_worker(dsn, tmp_path: Path):
+    """A rescue task can be starved: two relays of different databases that
+    shared one RabbitMQ queue took each other's tasks, and beat's claim and
+    rescue, sent on the same tick, went round-robin to one worker each; one
+    relay never rescued again and its rows stayed leased for good (a new
+    user's walkthrough, 2026-12-06). A claim rescues too when its process has
+    not for a rescue interval: here no beat runs at all, and the claim a
+    starting worker sends itself must free leases left by a dead worker."""
+    kit.prepare_receiver(dsn)
+    ids = kit.enqueue(dsn, 5)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # What a worker killed mid-delivery leaves: leases that ran out.
+        conn.execute(
+            "UPDATE outbox SET status = 'processing', lease_owner = 'gone:1', attempts = 1,"
+            " lease_version = lease_version + 1, lease_until = now() - interval '1 second'"
+            " WHERE id = ANY(%s)",
+            (ids,),
+        )
+    procs = CeleryProcs(
+        {
+            "OUTBOX_DSN": dsn,
+            "CELERY_BROKER_URL": services.redis_url(),
+            "OUTBOX_QUEUE": kit.unique("outbox-starved"),
+            "OUTBOX_PUBLISHER": "tests.apps.receiver:record",
+            "RECEIVER_DSN": dsn,
+        },
+        tmp_path,
+    )
+    try:
+        procs.worker(concurrency=1)  # and no beat: no rescue task is ever sent
+        kit.wait_until(
+            lambda: kit.status_counts(dsn) == {"done": 5},
+            timeout=30,
+            describe=lambda: kit.status_counts(dsn),
+            what="the expired leases rescued and delivered by a claim",
+        )
+        assert kit.delivered_ids(dsn) == set(ids)
+        assert "rescued 5 expired lease(s)" in procs.logs()
+    finally:
+        procs.stop_all()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..model import LeaseRef
 from ..services import DeliveryReport
+from ..store.relay import Rescued
 from . import names
 from .fanout import fan_out
 from .options import annotations_for
@@ -140,6 +141,9 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         least that many (a finished durable task's hint); ``contend=False``:
         not if another claim is in progress (a hint; see Claimer.run_once)."""
         services = inst.services()
+        if services.rescuer.due(inst.settings.rescue_interval):
+            # What it frees, this claim takes (see services/rescuer.py).
+            _report_rescued(self, services.rescuer.run_once())
         result = services.claimer.run_once(min_room=int(min_room), contend=bool(contend))
         if result.claimed:
             s = inst.settings
@@ -181,28 +185,8 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
     def rescue(self: Any) -> dict[str, int]:
         """Free expired leases (lost or stuck delivery tasks), whatever the room."""
         result = inst.services().rescuer.run_once()
-        if result.dead:
-            log.warning(
-                "%d outbox message(s) went dead: their lease expired on the last attempt (ids %s)",
-                len(result.dead),
-                _ids(result.dead),
-            )
-            for outbox_id in result.dead:
-                # The same event a dead letter from a delivery sends, so one
-                # monitor counts both.
-                _event(
-                    self,
-                    "task-outbox-dead",
-                    outbox_id=int(outbox_id),
-                    reason="its lease expired on the last attempt",
-                )
+        _report_rescued(self, result)
         if result.released:
-            log.warning(
-                "rescued %d expired lease(s): their delivery tasks were lost or stuck; "
-                "they are due again (ids %s)",
-                len(result.released),
-                _ids(result.released),
-            )
             _send(claim)
         return {"released": len(result.released), "dead": len(result.dead)}
 
@@ -227,6 +211,31 @@ def _one_outcome(report: DeliveryReport) -> str:
         if getattr(report, name):
             return name
     return "nothing"
+
+
+def _report_rescued(task: Any, result: Rescued) -> None:
+    if result.dead:
+        log.warning(
+            "%d outbox message(s) went dead: their lease expired on the last attempt (ids %s)",
+            len(result.dead),
+            _ids(result.dead),
+        )
+        for outbox_id in result.dead:
+            # The same event a dead letter from a delivery sends, so one
+            # monitor counts both.
+            _event(
+                task,
+                "task-outbox-dead",
+                outbox_id=int(outbox_id),
+                reason="its lease expired on the last attempt",
+            )
+    if result.released:
+        log.warning(
+            "rescued %d expired lease(s): their delivery tasks were lost or stuck; "
+            "they are due again (ids %s)",
+            len(result.released),
+            _ids(result.released),
+        )
 
 
 def _send(task: Any, args: tuple[Any, ...] = (), **options: Any) -> None:

@@ -6,9 +6,18 @@ rows back to ``pending`` for the claimer, or sends them to ``dead`` when
 their last attempt began and never finished. It runs on its own tick and
 needs no room under the cap, so no loss of delivery tasks can stop the
 relay; it is the reason the cap counts live leases only.
+
+A claim in a process that has not rescued for a rescue interval rescues
+first (``due``): the rescue task alone could be starved. Two relays of
+different databases that share one queue (a misconfiguration, but a quiet
+one) take each other's tasks, and beat's claim and rescue, sent on the same
+tick to a queue with two consumers, went round-robin to one worker each:
+one relay never rescued again, and its rows stayed leased for good.
 """
 
 from __future__ import annotations
+
+import time
 
 from .. import store
 from ..db import Database
@@ -33,9 +42,15 @@ class Rescuer:
         self.max_attempts = max_attempts
         self.batch_size = batch_size
         self.max_batches = max_batches
+        self._last_run: float | None = None
+
+    def due(self, interval: float) -> bool:
+        """Whether this process has not rescued for ``interval`` seconds."""
+        return self._last_run is None or time.monotonic() - self._last_run >= interval
 
     def run_once(self) -> Rescued:
         """Rescue in bounded batches until none are left (or ``max_batches``)."""
+        self._last_run = time.monotonic()
         released: list[int] = []
         dead: list[int] = []
         for _ in range(self.max_batches):
