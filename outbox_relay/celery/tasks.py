@@ -144,6 +144,10 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         if services.rescuer.due(inst.settings.rescue_interval):
             # What it frees, this claim takes (see services/rescuer.py).
             _report_rescued(self, services.rescuer.run_once())
+        return claim_round(int(held_back), int(min_room), bool(contend))
+
+    def claim_round(held_back: int, min_room: int, contend: bool) -> dict[str, int]:
+        services = inst.services()
         result = services.claimer.run_once(min_room=int(min_room), contend=bool(contend))
         if result.claimed:
             s = inst.settings
@@ -186,8 +190,10 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         """Free expired leases (lost or stuck delivery tasks), whatever the room."""
         result = inst.services().rescuer.run_once()
         _report_rescued(self, result)
-        if result.released:
-            _send(claim)
+        # And a claim here, not only in a task of its own: the rescue task
+        # can be the only one of a tick that reaches this relay's workers
+        # (see services/rescuer.py). Not if another claim is under way.
+        claim_round(0, 0, False)
         return {"released": len(result.released), "dead": len(result.dead)}
 
     @app.task(name=names.PURGE, **_TASK)  # type: ignore[untyped-decorator]

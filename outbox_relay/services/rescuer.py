@@ -8,11 +8,12 @@ needs no room under the cap, so no loss of delivery tasks can stop the
 relay; it is the reason the cap counts live leases only.
 
 A claim in a process that has not rescued for a rescue interval rescues
-first (``due``): the rescue task alone could be starved. Two relays of
-different databases that share one queue (a misconfiguration, but a quiet
-one) take each other's tasks, and beat's claim and rescue, sent on the same
-tick to a queue with two consumers, went round-robin to one worker each:
-one relay never rescued again, and its rows stayed leased for good.
+first (``due``), and a rescue claims after it: either task alone could be
+starved. Two relays of different databases that share one queue (a
+misconfiguration, but a quiet one) take each other's tasks, and beat's
+claim and rescue, sent on the same tick to a queue with two consumers, went
+round-robin to one worker each: one relay never rescued again, and its
+rows stayed leased for good (or, the other way round, never claimed).
 """
 
 from __future__ import annotations
