@@ -192,3 +192,40 @@ def test_a_claim_rescues_when_no_rescue_task_reaches_its_worker(dsn, tmp_path: P
         assert "rescued 5 expired lease(s)" in procs.logs()
     finally:
         procs.stop_all()
+
+
+def test_a_rescue_claims_when_no_claim_task_reaches_its_worker(dsn, tmp_path: Path):
+    """The other way round: on a queue two relays shared, beat's claim went
+    to the other relay's worker every tick and only the rescue came here,
+    so this relay's pending rows were never claimed. A rescue claims too:
+    here no beat and no NOTIFY listener run, and a lone rescue task must get
+    rows out that no claim task ever will."""
+    kit.prepare_receiver(dsn)
+    queue = kit.unique("outbox-unclaimed")
+    broker = services.redis_url()
+    procs = CeleryProcs(
+        {
+            "OUTBOX_DSN": dsn,
+            "CELERY_BROKER_URL": broker,
+            "OUTBOX_QUEUE": queue,
+            "OUTBOX_PUBLISHER": "tests.apps.receiver:record",
+            "RECEIVER_DSN": dsn,
+            "OUTBOX_LISTEN": "false",
+        },
+        tmp_path,
+    )
+    try:
+        procs.worker(concurrency=1)  # no beat; ready when this returns
+        ids = kit.enqueue(dsn, 5)
+        time.sleep(2.0)
+        assert kit.status_counts(dsn) == {"pending": 5}  # nothing claims them
+        kit.client_app(broker).send_task("outbox_relay.rescue", queue=queue)
+        kit.wait_until(
+            lambda: kit.status_counts(dsn) == {"done": 5},
+            timeout=30,
+            describe=lambda: kit.status_counts(dsn),
+            what="the pending rows claimed by a rescue and delivered",
+        )
+        assert kit.delivered_ids(dsn) == set(ids)
+    finally:
+        procs.stop_all()
