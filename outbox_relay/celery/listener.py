@@ -31,6 +31,8 @@ from .tasks import hint_args
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
 
 log = logging.getLogger("outbox_relay.celery")
+# While claim tasks cannot be sent (the broker is away), at most one line this often.
+UNSENT_LOG_SECONDS = 60.0
 
 
 class NotifyListener:
@@ -53,6 +55,10 @@ class NotifyListener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.triggered = 0
+        # Failed sends since the last one logged: a broker outage logged one
+        # traceback per committed row (a new user's walkthrough).
+        self._unsent = 0
+        self._unsent_logged_at: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="outbox-listen", daemon=True)
@@ -68,7 +74,20 @@ class NotifyListener:
             self.trigger()
             self.triggered += 1
         except Exception:
-            log.warning("could not send a claim task after NOTIFY", exc_info=True)
+            self._unsent += 1
+            now = time.monotonic()
+            if self._unsent_logged_at is None or now - self._unsent_logged_at >= UNSENT_LOG_SECONDS:
+                log.warning(
+                    "could not send a claim task after NOTIFY (%d since the last such line; "
+                    "beat's tick claims meanwhile)",
+                    self._unsent,
+                    exc_info=self._unsent_logged_at is None,
+                )
+                self._unsent, self._unsent_logged_at = 0, now
+            return
+        if self._unsent_logged_at is not None:
+            log.info("claim tasks after NOTIFY are sent again")
+            self._unsent, self._unsent_logged_at = 0, None
 
     def _run(self) -> None:
         backoff = 0.5
