@@ -28,6 +28,7 @@ import outbox_relay
 from outbox_relay import NewMessage
 
 from . import services
+from .apps import kit
 from .apps.recording import DDL
 from .celery_procs import CeleryProcs, counts, pool_pids, wait_for
 
@@ -165,7 +166,13 @@ def test_thousands_delivered_with_two_workers_and_beat(recorded_dsn, redis_broke
 
 
 def test_chunked_mode_over_rabbitmq(recorded_dsn, amqp_broker, procs_factory):
-    procs = procs_factory(recorded_dsn, amqp_broker, chunk_size=50, batch_size=200)
+    # A queue of its own: the next test uses the default "outbox" on the same
+    # vhost, and tasks a stopping worker had prefetched go back to the queue
+    # when its connection closes, after that test's purge (CI, 2026-12-06:
+    # 2000 messages, a loaded machine; the next test's deliveries waited
+    # behind this one's stale chunks until their leases ran out).
+    queue = kit.unique("outbox-chunked")
+    procs = procs_factory(recorded_dsn, amqp_broker, chunk_size=50, batch_size=200, queue=queue)
     procs.worker(concurrency=2)
     procs.beat()
     ids = enqueue_orders(recorded_dsn, 2000)
