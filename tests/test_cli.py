@@ -20,7 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import outbox_relay
-from outbox_relay import OutboxTable, store
+from outbox_relay import OutboxTable, operations, store
 from outbox_relay.cli import celery_command, main, mask_dsn, parse_duration
 from outbox_relay.sql.queries import migrations_for
 
@@ -102,6 +102,9 @@ def test_status_table_and_watch(dsn: str, conn: psycopg.Connection[Any]) -> None
 def test_status_json_says_null_where_the_table_says_none(dsn: str) -> None:
     # Nothing awaits delivery: no age at all, not a message that is 0.0 s old.
     assert json.loads(ok(cli("status", "--json", dsn=dsn)))["oldest_pending_age_seconds"] is None
+    # The Python API says so too (it said 0.0 where the JSON said null).
+    with psycopg.connect(dsn) as conn:
+        assert operations.status(conn)["oldest_pending_age_seconds"] is None
     text = ok(cli("status", dsn=dsn))
     assert "oldest awaiting delivery" in text and "none" in text
 

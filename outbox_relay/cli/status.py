@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import click
 
@@ -45,7 +44,7 @@ def status_command(state: CliState, as_json: bool, watch: float | None, count: i
             with state.connect() as conn:
                 snapshot = operations.status(conn, table=table)
             if as_json:
-                click.echo(json.dumps(_as_json(snapshot)))
+                click.echo(json.dumps(snapshot))
             else:
                 if watch is not None and out.is_terminal:
                     out.clear()
@@ -57,10 +56,3 @@ def status_command(state: CliState, as_json: bool, watch: float | None, count: i
             time.sleep(watch)
     except KeyboardInterrupt:
         return
-
-
-def _as_json(snapshot: dict[str, Any]) -> dict[str, Any]:
-    # The query's 0 means nothing awaits delivery (the table view says
-    # "none"): null, so that a script cannot read it as a message just due.
-    age = snapshot["oldest_pending_age_seconds"]
-    return {**snapshot, "oldest_pending_age_seconds": age or None}

@@ -58,7 +58,7 @@ class Sample:
             dead=int(snapshot["dead"]) - int(baseline["dead"]),
             in_flight=processing,
             retrying=max(0, tried - processing),
-            oldest_pending_seconds=float(snapshot["oldest_pending_age_seconds"]),
+            oldest_pending_seconds=snapshot["oldest_pending_age_seconds"] or 0.0,
             receiver=receiver,
         )
 

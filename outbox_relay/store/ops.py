@@ -115,12 +115,14 @@ def status(
     conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
 ) -> dict[str, Any]:
     """What ``outbox-relay status --json`` prints: ``stats()`` plus ``attempts``
-    (an object keyed by the attempt count as a string, as JSON needs)."""
+    (an object keyed by the attempt count as a string, as JSON needs).
+    ``oldest_pending_age_seconds`` is None when nothing awaits delivery (the
+    query's 0; the gauge keeps the 0)."""
     found = stats(conn, table=table, now=now)
     attempts = attempts_distribution(conn, table=table)
     return {
         **{key: int(found[key]) for key in ("pending", "processing", "done", "dead")},
-        "oldest_pending_age_seconds": float(found["oldest_pending_age_seconds"]),
+        "oldest_pending_age_seconds": float(found["oldest_pending_age_seconds"]) or None,
         "expired_leases": int(found["expired_leases"]),
         "attempts": {str(k): v for k, v in sorted(attempts.items())},
     }
