@@ -400,6 +400,8 @@ class Installation:
         dsn = self.settings.require_dsn()
         deadline = time.monotonic() + wait_seconds
         role: str | None = None
+        # Whose chains the worker writes (see the warning below).
+        durable = sorted(name for name, task in self.app.tasks.items() if is_durable(task))
         try:
             kwargs = bounded_connection_kwargs(self.settings.database_timeout)
             while True:
@@ -410,7 +412,7 @@ class Installation:
                         role = conn.info.user
                         exists = store.table_exists(conn, table=table)
                         missing = store.missing_migrations(conn, table=table) if exists else []
-                        inserts = not exists or store.may_insert(conn, table=table)
+                        inserts = not (durable and exists) or store.may_insert(conn, table=table)
                     break
                 except psycopg.OperationalError as exc:
                     # After a connect, an OperationalError is a lost session,
@@ -453,8 +455,7 @@ class Installation:
                 f"the outbox table {table.qualified} lacks migration(s) "
                 f"{', '.join(map(str, missing))}: run `{table.migrate_command}` first"
             )
-        durable = sorted(name for name, task in self.app.tasks.items() if is_durable(task))
-        if durable and not inserts:
+        if not inserts:
             log.warning(
                 "outbox-relay: this app has durable tasks (%s) and the relay's role %r may not "
                 "insert into %s: a durable chain's next step, written by the worker that ran "

@@ -147,8 +147,9 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         return claim_round(int(held_back), int(min_room), bool(contend))
 
     def claim_round(held_back: int, min_room: int, contend: bool) -> dict[str, int]:
+        """One claim and its fan-out (the claim task's, and the rescue task's)."""
         services = inst.services()
-        result = services.claimer.run_once(min_room=int(min_room), contend=bool(contend))
+        result = services.claimer.run_once(min_room=min_room, contend=contend)
         if result.claimed:
             s = inst.settings
             delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER
@@ -170,7 +171,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 processes=inst.concurrency,
                 capped=result.capped,
             )
-        elif result.capped and int(held_back) < MAX_HELD_BACK_ROUNDS:
+        elif result.capped and held_back < MAX_HELD_BACK_ROUNDS:
             # Backpressure: look again once deliveries had time to finish. At
             # once, the claim would come straight back from an empty queue
             # (the worker holds the whole backlog in its prefetch) and use up
@@ -180,8 +181,8 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # min_room 1: a round that still finds the cap full is one count.
             _send(
                 claim,
-                (int(held_back) + 1, max(1, int(min_room)), bool(contend)),
-                countdown=HELD_BACK_SECONDS * 2 ** int(held_back),
+                (held_back + 1, max(1, min_room), contend),
+                countdown=HELD_BACK_SECONDS * 2**held_back,
             )
         return {"claimed": len(result.claimed)}
 
