@@ -570,6 +570,22 @@ def test_installed_script_status_json(dsn: str, conn: psycopg.Connection[Any]) -
     assert snapshot == EXPECTED
 
 
+def celery_outbox(args: tuple[str, ...], **app_env: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.apps.cli_app outbox ARGS`` in a fresh process, with no
+    OUTBOX_* of this environment; ``app_env``: CLI_APP_* for the app."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({**app_env, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [str(BIN / "celery"), "-A", "tests.apps.cli_app", "outbox", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=60,
+        check=False,
+    )
+
+
 def test_celery_outbox_command_uses_the_app_settings(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -577,19 +593,9 @@ def test_celery_outbox_command_uses_the_app_settings(
     t0 = past(hours=1)
     [dead] = add(conn, at=t0)
     make_dead(conn, [dead], t0, "boom")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update({"CLI_APP_DSN": dsn, "PYTHONPATH": str(ROOT)})
 
     def celery(*args: str) -> str:
-        done = subprocess.run(
-            [str(BIN / "celery"), "-A", "tests.apps.cli_app", "outbox", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=str(ROOT),
-            timeout=60,
-            check=False,
-        )
+        done = celery_outbox(args, CLI_APP_DSN=dsn)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -601,19 +607,9 @@ def test_celery_outbox_command_uses_the_app_settings(
 
 
 def test_celery_outbox_help_shows_the_apps_table(dsn: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update({"CLI_APP_DSN": dsn, "CLI_APP_TABLE": "billing.x", "PYTHONPATH": str(ROOT)})
 
     def celery(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(BIN / "celery"), "-A", "tests.apps.cli_app", "outbox", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=str(ROOT),
-            timeout=60,
-            check=False,
-        )
+        return celery_outbox(args, CLI_APP_DSN=dsn, CLI_APP_TABLE="billing.x")
 
     shown = celery("--help")
     assert shown.returncode == 0, shown.stderr
