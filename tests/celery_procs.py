@@ -176,6 +176,22 @@ class CeleryProcs:
         return "\n".join(f"===== {p.name}\n{p.text()[-6000:]}" for p in self.procs)
 
 
+def standalone_relay(dsn: str, folder: Path, broker: str, queue: str, **env: str) -> CeleryProcs:
+    """The standalone relay on ``queue``, delivering to the test receiver
+    (tests/apps/receiver.py), which records each publish in ``dsn``."""
+    return CeleryProcs(
+        {
+            "OUTBOX_DSN": dsn,
+            "CELERY_BROKER_URL": broker,
+            "OUTBOX_QUEUE": queue,
+            "OUTBOX_PUBLISHER": "tests.apps.receiver:record",
+            "RECEIVER_DSN": dsn,
+            **env,
+        },
+        folder,
+    )
+
+
 def wait_for(
     check: Callable[[], Any],
     *,

@@ -27,7 +27,7 @@ import pytest
 
 from . import services
 from .apps import kit
-from .celery_procs import CeleryProcs
+from .celery_procs import CeleryProcs, standalone_relay
 
 pytestmark = [pytest.mark.celery, pytest.mark.slow, pytest.mark.faults]
 
@@ -152,21 +152,6 @@ def test_worker_killed_at_the_in_flight_cap_and_broker_flushed(dsn, tmp_path: Pa
     assert stall <= 2 * LEASE, f"done stood still for {stall:.1f}s after the fresh worker started"
 
 
-def _relay(dsn: str, tmp_path: Path, broker: str, queue: str, **env: str) -> CeleryProcs:
-    """The standalone relay on a queue of its own, delivering to the test receiver."""
-    return CeleryProcs(
-        {
-            "OUTBOX_DSN": dsn,
-            "CELERY_BROKER_URL": broker,
-            "OUTBOX_QUEUE": queue,
-            "OUTBOX_PUBLISHER": "tests.apps.receiver:record",
-            "RECEIVER_DSN": dsn,
-            **env,
-        },
-        tmp_path,
-    )
-
-
 def test_a_claim_rescues_when_no_rescue_task_reaches_its_worker(dsn, tmp_path: Path):
     """A rescue task can be starved: two relays of different databases that
     shared one RabbitMQ queue took each other's tasks, and beat's claim and
@@ -185,7 +170,7 @@ def test_a_claim_rescues_when_no_rescue_task_reaches_its_worker(dsn, tmp_path: P
             " WHERE id = ANY(%s)",
             (ids,),
         )
-    procs = _relay(dsn, tmp_path, services.redis_url(), kit.unique("outbox-starved"))
+    procs = standalone_relay(dsn, tmp_path, services.redis_url(), kit.unique("outbox-starved"))
     try:
         procs.worker(concurrency=1)  # and no beat: no rescue task is ever sent
         kit.wait_until(
@@ -209,7 +194,7 @@ def test_a_rescue_claims_when_no_claim_task_reaches_its_worker(dsn, tmp_path: Pa
     kit.prepare_receiver(dsn)
     queue = kit.unique("outbox-unclaimed")
     broker = services.redis_url()
-    procs = _relay(dsn, tmp_path, broker, queue, OUTBOX_LISTEN="false")
+    procs = standalone_relay(dsn, tmp_path, broker, queue, OUTBOX_LISTEN="false")
     try:
         procs.worker(concurrency=1)  # no beat; ready when this returns
         ids = kit.enqueue(dsn, 5)

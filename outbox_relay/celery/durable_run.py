@@ -37,6 +37,7 @@ from ..services.policy import RetryPolicy, classify_task
 from . import names
 from .durable import HEADER_ID, HEADER_LEASE_VERSION, write_step
 from .events import Observers
+from .identity import origin_headers
 from .options import annotations_for, retry_policy
 
 if TYPE_CHECKING:
@@ -83,8 +84,11 @@ def _hint_claim(task: Any) -> None:
     if claim is None:
         return
     try:
+        inst = _installation(task)
         claim.apply_async(
-            hint_args(_installation(task).settings, last_round=True), serializer="json"
+            hint_args(inst.settings, last_round=True),
+            serializer="json",
+            headers=origin_headers(inst.identity()),
         )
     except Exception:  # a hint; beat's tick is the safety net
         log.debug("could not send a claim hint", exc_info=True)

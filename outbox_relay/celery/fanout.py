@@ -156,6 +156,7 @@ def fan_out(
     prefetched: int = 0,
     processes: int = 0,
     capped: bool = False,
+    headers: dict[str, Any] | None = None,
 ) -> None:
     """Send the delivery tasks, and with them the drain's next claim (``follow_up``).
 
@@ -183,6 +184,7 @@ def fan_out(
 
     Chunks are ``OUTBOX_CHUNK_SIZE`` rows at most, fewer where this worker's
     ``processes`` could not each hold one under the cap (``chunk_size_for``).
+    ``headers``: on every delivery task (the relay's identity, celery/identity.py).
     """
     # Durable task rows are sent as their own task (one hop), one message
     # each, after the plain chunks: the drain's plan counts the plain chunks
@@ -248,7 +250,14 @@ def fan_out(
                     args = ([[r.id, r.lease_version] for r in refs],)
                 # Both reprs given: Celery would otherwise saferepr() each
                 # task's arguments (a twentieth of a per-message fan-out).
-                sender.send(route, args, kwargs, argsrepr=argsrepr(refs), kwargsrepr=repr(kwargs))
+                sender.send(
+                    route,
+                    args,
+                    kwargs,
+                    argsrepr=argsrepr(refs),
+                    kwargsrepr=repr(kwargs),
+                    headers=headers,
+                )
     except Exception:
         # Some tasks may have reached the broker before the failure (a batch
         # flushes as it fills). Release every row anyway: a task that arrives

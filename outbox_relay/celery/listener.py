@@ -26,6 +26,7 @@ from ..errors import ConfigError
 from ..table import OutboxTable
 from . import names
 from .compat import harden_redis_transport, ignore_stale_soft_time_limits, reuse_redis_clients
+from .identity import origin_headers
 from .tasks import hint_args
 
 __all__ = ["NotifyListener", "RelayWorkerStep", "relays_here"]
@@ -213,7 +214,9 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             # finish. Without this, a steady stream of NOTIFYs sent a claim
             # every debounce window into a full cap, each one a held-back
             # chain of its own.
-            claim.apply_async(args, serializer="json", producer=producer)
+            claim.apply_async(
+                args, serializer="json", producer=producer, headers=origin_headers(inst.identity())
+            )
 
         self.listener = NotifyListener(
             s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout

@@ -50,6 +50,7 @@ from . import names
 from .canvas import CANVAS_EVENT_TYPE, CanvasPublisher
 from .durable import is_durable
 from .events import Observers, TaskEvents
+from .identity import identity_of
 from .options import annotations_for, retry_policy, time_limits
 
 __all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services"]
@@ -264,6 +265,9 @@ class Installation:
         # next claim by what the worker prefetches (``prefetched``).
         self.concurrency = 0
         self.prefetch_multiplier = 0
+        # celery/identity.py: read at start (check_database) or at first
+        # use; "" when the table has no record to read it from.
+        self._identity: str | None = None
 
     @property
     def prefetched(self) -> int:
@@ -306,6 +310,24 @@ class Installation:
         route = self.app.amqp.router.route({}, names.CLAIM, (), {})
         queue = route.get("queue")
         return str(getattr(queue, "name", queue) or "") or None
+
+    def identity(self) -> str | None:
+        """What tells this relay's tasks from another relay's on one queue
+        (celery/identity.py); None while it could not be read."""
+        if self._identity is None:
+            table = self.settings.outbox_table
+            try:
+                found = self.services().db.run(lambda conn: store.relay_identity(conn, table=table))
+            except Exception:
+                # The database is away: the task at hand fails on it anyway.
+                log.debug("could not read the relay's identity", exc_info=True)
+                return None
+            self._record_identity(found)
+        return self._identity or None
+
+    def _record_identity(self, found: tuple[str, str] | None) -> None:
+        table = self.settings.outbox_table
+        self._identity = identity_of(found[0], table, found[1]) if found else ""
 
     @property
     def dsn(self) -> str | None:
@@ -412,6 +434,9 @@ class Installation:
                         role = conn.info.user
                         exists = store.table_exists(conn, table=table)
                         missing = store.missing_migrations(conn, table=table) if exists else []
+                        if exists and not missing:
+                            # Before the pool forks: every process has it.
+                            self._record_identity(store.relay_identity(conn, table=table))
                         inserts = not (durable and exists) or store.may_insert(conn, table=table)
                     break
                 except psycopg.OperationalError as exc:

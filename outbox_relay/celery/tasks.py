@@ -25,6 +25,7 @@ from ..services import DeliveryReport
 from ..store.relay import Rescued
 from . import names
 from .fanout import fan_out
+from .identity import origin_headers, send_back_if_foreign
 from .options import annotations_for
 
 if TYPE_CHECKING:
@@ -87,11 +88,18 @@ _TASK = {
 def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
     """Define the relay tasks on ``app``; return them by short name."""
 
+    def send(task: Any, args: tuple[Any, ...] = (), **options: Any) -> None:
+        _send(task, args, headers=origin_headers(inst.identity()), **options)
+
+    def foreign(task: Any) -> bool:
+        """Another relay's task, sent back to the queue (see celery/identity.py)."""
+        return send_back_if_foreign(task, inst.identity(), inst.queue_as_written())
+
     def after_delivery(report: DeliveryReport, refs: list[LeaseRef]) -> dict[str, int] | str:
         if report.ordered_finished:
             # An ordered message is done: its aggregate's next one is due now.
             # Without this an aggregate would advance one message per tick.
-            _send(claim)
+            send(claim)
         if len(refs) == 1:
             # One message: what became of it, as one word. Celery reprs every
             # result for its log and events; a dict's repr cost a twentieth
@@ -105,7 +113,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         # once its own rows are finished ("end": the round was cut short by
         # the in-flight cap, and only finished rows make room).
         if drain and drain != "end":
-            _send(claim, hint_args(inst.settings))
+            send(claim, hint_args(inst.settings))
         deliverer = inst.services().deliverer
         try:
             return after_delivery(deliverer.deliver(refs), refs)
@@ -114,14 +122,17 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 # The claim counts the room this task's row makes: its done
                 # written now, not by the completer a moment later.
                 deliverer.flush()
-                _send(claim, hint_args(inst.settings))
+                send(claim, hint_args(inst.settings))
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
     def deliver(
         self: Any, outbox_id: int, lease_version: int, drain: bool | str = False
     ) -> dict[str, int] | str:
         """Deliver one leased message (the default, one task per message);
-        returns what became of it: done, retried, dead, released, stale or lost."""
+        returns what became of it: done, retried, dead, released, stale or lost
+        (or foreign: another relay's task, sent back to the queue)."""
+        if foreign(self):
+            return "foreign"
         return drained(drain, [LeaseRef(int(outbox_id), int(lease_version))])
 
     @app.task(name=names.DELIVER_BATCH, **_TASK)  # type: ignore[untyped-decorator]
@@ -129,6 +140,8 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         self: Any, refs: list[list[int]], drain: bool | str = False
     ) -> dict[str, int] | str:
         """Deliver a chunk: one begin, concurrent publishes, one batched finalize."""
+        if foreign(self):
+            return "foreign"
         return drained(drain, [LeaseRef(int(i), int(v)) for i, v in refs])
 
     @app.task(name=names.CLAIM, **_TASK)  # type: ignore[untyped-decorator]
@@ -140,6 +153,8 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         found the cap reached; ``min_room``: claim only if the cap leaves at
         least that many (a finished durable task's hint); ``contend=False``:
         not if another claim is in progress (a hint; see Claimer.run_once)."""
+        if foreign(self):
+            return {"claimed": 0}
         services = inst.services()
         if services.rescuer.due(inst.settings.rescue_interval):
             # What it frees, this claim takes (see services/rescuer.py).
@@ -163,13 +178,14 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 deliver_batch=deliver_batch,
                 annotated=annotations_for(app, delivery),
                 follow_up=(
-                    (lambda producer: _send(claim, hint_args(s), producer=producer))
+                    (lambda producer: send(claim, hint_args(s), producer=producer))
                     if more
                     else None
                 ),
                 prefetched=inst.prefetched,
                 processes=inst.concurrency,
                 capped=result.capped,
+                headers=origin_headers(inst.identity()),
             )
         elif result.capped and held_back < MAX_HELD_BACK_ROUNDS:
             # Backpressure: look again once deliveries had time to finish. At
@@ -179,7 +195,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # beat's tick. A short countdown is no retry of a message: a lost
             # claim hint costs one beat interval.
             # min_room 1: a round that still finds the cap full is one count.
-            _send(
+            send(
                 claim,
                 (held_back + 1, max(1, min_room), contend),
                 countdown=HELD_BACK_SECONDS * 2**held_back,

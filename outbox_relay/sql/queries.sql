@@ -474,6 +474,14 @@ SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT N
 -- tasks writes a chain's next step (the relay's own grant has no INSERT).
 SELECT has_table_privilege(format('%%I.%%I', %(schema)s::text, %(name)s::text), 'INSERT');
 
+-- name: relay_identity
+-- What tells this relay's Celery tasks from another relay's on one broker
+-- queue (celery/identity.py): the database, and when this table's first
+-- migration was applied. The same for every DSN that reaches this database
+-- (a pooler, another host name for it), different for another table or
+-- another database of the same name.
+SELECT current_database(), (SELECT applied_at FROM {migrations} WHERE version = 1);
+
 -- name: bound_durable_session
 -- The sessions durable task runs hold for a whole run (their own pool, never
 -- the relay's): the fence check, the transaction the body writes its effect

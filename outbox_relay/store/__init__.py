@@ -42,6 +42,7 @@ from .schema import (
     may_insert,
     migrate,
     missing_migrations,
+    relay_identity,
     table_exists,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "missing_migrations",
     "purge",
     "reap",
+    "relay_identity",
     "reschedule",
     "rescue",
     "statement_tx",

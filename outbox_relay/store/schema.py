@@ -20,6 +20,7 @@ __all__ = [
     "migrate",
     "migrate_plan",
     "missing_migrations",
+    "relay_identity",
     "table_exists",
 ]
 
@@ -132,6 +133,18 @@ def may_insert(conn: psycopg.Connection[Any], *, table: TableLike = None) -> boo
     with statement_tx(conn):
         row = conn.execute(queries_for(outbox).may_insert, params).fetchone()
     return bool(row and row[0])
+
+
+def relay_identity(
+    conn: psycopg.Connection[Any], *, table: TableLike = None
+) -> tuple[str, str] | None:
+    """The database's name and when ``table``'s first migration was applied
+    (ISO 8601); None when the table has no record of it."""
+    with statement_tx(conn):
+        row = conn.execute(queries_for(OutboxTable.parse(table)).relay_identity).fetchone()
+    if row is None or row[1] is None:
+        return None
+    return str(row[0]), row[1].isoformat()
 
 
 def applied_migrations(conn: psycopg.Connection[Any], *, table: TableLike = None) -> set[int]:
