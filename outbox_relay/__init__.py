@@ -9,7 +9,7 @@ only while the fence holds.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backoff import full_jitter_backoff
 from .config import ProducerSettings, Settings
@@ -112,13 +112,34 @@ __all__ = [
 
 
 def apply_async(conn: Any, sig: Any, **options: Any) -> Any:
-    """``sig.apply_async(**options)`` through the outbox of the process's default ``Outbox``.
+    """``sig.apply_async(**options)`` through the outbox: one row in ``conn``'s
+    transaction, sent by the relay after the commit.
 
-    One row in ``conn``'s transaction, sent by the relay after the commit;
-    returns the ``AsyncResult`` (``GroupResult`` for a group) with every task
-    id fixed now. See ``Outbox.apply_async`` and docs/celery.md.
+    The row goes to the table that the relay installed in the signature's
+    Celery app reads (its ``Outbox``), else to the process's default
+    outbox's. Returns the ``AsyncResult`` (``GroupResult`` for a group)
+    with every task id fixed now. See ``Outbox.apply_async`` and
+    docs/celery.md.
     """
-    return default_outbox().apply_async(conn, sig, **options)
+    from .celery.runtime import outbox_for
+
+    return outbox_for(_app_of(sig)).apply_async(conn, sig, **options)
+
+
+def _app_of(sig: Any) -> Any:
+    """The Celery app of a signature or canvas (Celery's current app when none
+    is bound); None for what is not one (apply_async then names the problem)."""
+    try:
+        return getattr(sig, "app", None)
+    except Exception:
+        return None
+
+
+if TYPE_CHECKING:
+    # Served by __getattr__ at run time (Celery is imported on first use);
+    # typed here, so that a checker sees install's parameters and result.
+    from . import aio
+    from .celery.install import install
 
 
 def __getattr__(name: str) -> Any:

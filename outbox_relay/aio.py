@@ -137,7 +137,8 @@ async def apply_async(
     ``sig.apply_async(**options)`` would, with every task id fixed now. The
     same row, the same checks (tasks registered, JSON arguments) as the sync
     one: both build it with ``celery.canvas.prepare_canvas``. ``settings``:
-    the producer settings (default: the process's default ``Outbox``)."""
+    the producer settings (default: those of the ``Outbox`` installed in the
+    signature's app, else the process's default)."""
     from .celery.canvas import is_durable, prepare_canvas
 
     if is_durable(sig):
@@ -148,11 +149,12 @@ async def apply_async(
         extra: dict[str, Any] = {"ordered": False, "allow_reserved": True}
     else:
         message, result = prepare_canvas(sig, options)
-        extra = {}
+        extra = {"allow_reserved": True}  # a reserved event type too
     if settings is None:
-        from .outbox import default_outbox
+        from . import _app_of
+        from .celery.runtime import outbox_for
 
-        settings = default_outbox().settings
+        settings = outbox_for(_app_of(sig)).settings
     await enqueue_many(conn, [message], settings=settings, **extra)
     return result
 

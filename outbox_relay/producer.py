@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -26,6 +27,8 @@ from .store.producer import insert_messages
 from .table import OutboxTable
 
 __all__ = [
+    "CANVAS_EVENT_TYPE",
+    "DURABLE_EVENT_TYPE",
     "RESERVED_EVENT_TYPES",
     "Batch",
     "NewMessage",
@@ -36,9 +39,13 @@ __all__ = [
 ]
 
 # Event types outbox-relay writes itself: a durable Celery task's row, which
-# the relay runs as that task. A plain message of this type would be sent as
-# a task too, so only the library's own writers may use it.
-RESERVED_EVENT_TYPES = frozenset({"celery.durable"})
+# the relay runs as that task, and a stored canvas (apply_async), which it
+# sends through Celery. A plain message of either type would be read as one
+# (a canvas row with a payload that is not a canvas failed every attempt),
+# so only the library's own writers may use them.
+DURABLE_EVENT_TYPE = "celery.durable"
+CANVAS_EVENT_TYPE = "celery.apply_async"
+RESERVED_EVENT_TYPES = frozenset({DURABLE_EVENT_TYPE, CANVAS_EVENT_TYPE})
 
 
 @dataclass(frozen=True)
@@ -54,20 +61,49 @@ class NewMessage:
     headers: Mapping[str, Any] | None = field(default=None)
 
 
-def _dumps(value: Any, what: str) -> str:
+# A JSON text's \u0000 escape (not an escaped backslash before "u0000"):
+# PostgreSQL's jsonb cannot hold the NUL character.
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# The latest a message may be due: anything later is a unit mistake, and far
+# enough past it PostgreSQL's timestamps overflow.
+MAX_DELAY = timedelta(days=36525)
+
+
+def _dumps(value: Any, what: str) -> tuple[str, int]:
+    """``value`` as JSON, and its size in UTF-8 bytes; InvalidMessage naming
+    what PostgreSQL would refuse (after a raw driver error, before)."""
     try:
         # allow_nan=False: NaN and Infinity are not JSON and jsonb rejects them.
-        return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise InvalidMessage(f"{what} must be JSON-serializable: {exc}") from None
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise InvalidMessage(
+            f"{what} holds a NUL character (\\u0000) in a string; PostgreSQL's jsonb "
+            "cannot store it"
+        )
+    return text, len(_utf8(text, what))
+
+
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessage(
+            f"{what} is not valid Unicode: {text[exc.start : exc.end]!r} at position "
+            f"{exc.start} is a lone surrogate (text decoded with errors='surrogateescape'?)"
+        ) from None
 
 
 def _text(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise InvalidMessage(f"{name} must be a string, got {type(value).__name__}")
+        raise InvalidMessage(f"{name} must be a string or an integer, got {type(value).__name__}")
     text = str(value)
     if not text:
         raise InvalidMessage(f"{name} must not be empty")
+    if "\x00" in text:
+        raise InvalidMessage(f"{name} holds a NUL character; PostgreSQL text cannot store it")
+    _utf8(text, name)
     return text
 
 
@@ -77,19 +113,22 @@ def _delay(value: timedelta | float | None) -> timedelta:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise InvalidMessage("delay must be a finite number of seconds")
+        if abs(value) > MAX_DELAY.total_seconds():
+            raise InvalidMessage(f"delay must be at most {MAX_DELAY.days} days, not {value}s")
         value = timedelta(seconds=value)
     if not isinstance(value, timedelta):
         raise InvalidMessage(f"delay must be a timedelta or seconds, got {type(value).__name__}")
     if value < timedelta(0):
         raise InvalidMessage("delay must not be negative")
+    if value > MAX_DELAY:
+        raise InvalidMessage(f"delay must be at most {MAX_DELAY.days} days, not {value}")
     return value
 
 
 def _params(
     msg: NewMessage, limit: int, now: datetime | None, trace: Mapping[str, str]
 ) -> dict[str, Any]:
-    payload = _dumps(msg.payload, "payload")
-    size = len(payload.encode("utf-8"))
+    payload, size = _dumps(msg.payload, "payload")
     if size > limit:
         raise InvalidMessage(
             f"payload is {size} bytes, over the limit of {limit} (OUTBOX_MAX_PAYLOAD_BYTES); "
@@ -97,7 +136,7 @@ def _params(
         )
     headers = dict(msg.headers or {})
     if not all(isinstance(k, str) for k in headers):
-        raise InvalidMessage("header names must be strings")
+        raise InvalidMessage("headers must have string names")
     present = {k.lower() for k in headers}
     if trace and "traceparent" not in present:
         # A traceparent the caller passed wins (with its tracestate); other
@@ -111,7 +150,7 @@ def _params(
         "aggregate_id": _text("aggregate_id", msg.aggregate_id),
         "event_type": _text("event_type", msg.event_type),
         "payload": payload,
-        "headers": _dumps(headers, "headers"),
+        "headers": _dumps(headers, "headers")[0],
         # Left out of the operation-key digest (queries.sql insert): the same
         # operation retried under another trace is still the same operation.
         "trace_keys": list(tracing.TRACE_HEADERS),
@@ -166,8 +205,11 @@ def prepare(
                 "event_type=..., payload=...) for each message"
             )
         if not allow_reserved and m.event_type in RESERVED_EVENT_TYPES:
+            what = (
+                "durable Celery tasks" if m.event_type == DURABLE_EVENT_TYPE else "Celery canvases"
+            )
             raise InvalidMessage(
-                f"event_type {m.event_type!r} is reserved for durable Celery tasks; "
+                f"event_type {m.event_type!r} is reserved for {what}; "
                 "write one with outbox_relay.apply_async() or task.enqueue()"
             )
     if settings is None:
@@ -252,7 +294,15 @@ def enqueue_many(
     )
     if not batch.rows:
         return []
-    if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        # psycopg would refuse the savepoint too, and log a second error on
+        # the way out ("savepoint does not exist") that hid the first.
+        raise psycopg.errors.InFailedSqlTransaction(
+            "the connection's transaction has already failed (a statement before this "
+            "enqueue raised): nothing was written; roll the transaction back first"
+        )
+    if not conn.autocommit and status == TransactionStatus.IDLE:
         # The caller's transaction has not begun yet (psycopg begins it with
         # the first statement). Begin it now: on an idle connection
         # conn.transaction() would open *and commit* a transaction of its

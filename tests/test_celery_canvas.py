@@ -452,6 +452,40 @@ def test_headers_given_to_a_whole_canvas_still_carry_the_row() -> None:
             assert task.options["argsrepr"] == "(outbox #9 v3)"
 
 
+def test_what_celery_would_refuse_in_the_caller_is_refused_in_the_caller() -> None:
+    """A chord without a result backend (Celery raises NotImplementedError in
+    sig.apply_async()) and an empty chain (IndexError deep inside) were
+    written, or failed, only to fail at every send from the relay."""
+    bare = Celery("no-backend", broker="memory://", set_as_current=False)
+
+    @bare.task(name="bare.a", shared=False)
+    def a(x: int = 0) -> int:
+        return x
+
+    for canvas in (chord([a.s(1)], a.s()), chain(a.s(1), group(a.s(), a.s()), a.s())):
+        with pytest.raises(InvalidMessage, match=r"needs a result backend.*'no-backend' has none"):
+            prepare_canvas(canvas, {})
+    prepare_canvas(chain(a.s(1), group(a.s(), a.s())), {})  # no chord: no backend needed
+    with pytest.raises(InvalidMessage, match="the chain is empty"):
+        prepare_canvas(chain(), {})
+
+
+def test_a_row_that_is_no_canvas_goes_dead_at_once() -> None:
+    """A canvas row Celery cannot read (edited by hand, or written by enqueue
+    before the event type was reserved) failed every attempt as unexpected."""
+    from outbox_relay import Message
+    from outbox_relay.errors import PermanentError
+
+    publisher = CanvasPublisher(user.app, budget=3.0)
+    try:
+        for payload in ({"hello": 1}, {"task": "canvas.step", "options": "not a dict"}):
+            message = Message(5, "k", "celery", "x", CANVAS_EVENT_TYPE, payload, {}, 1, 1, None)
+            with pytest.raises(PermanentError, match="not a canvas Celery can read"):
+                publisher(message)
+    finally:
+        publisher.close()
+
+
 # ------------------------------------------------------------------ re-send
 def test_a_resend_sends_the_same_ids_and_the_inbox_applies_once(
     canvas_dsn: str, relay: Any
@@ -542,6 +576,47 @@ def test_bad_input_is_refused_before_anything_is_written(
         assert "did you mean 'canvas.step'?" in str(raised.value)
     assert _rows(canvas_dsn, "SELECT count(*) FROM outbox") == [(0,)]
     assert _rows(canvas_dsn, "SELECT id FROM orders ORDER BY id") == [(7,), (8,)]
+
+
+def test_calls_go_to_the_table_the_apps_relay_reads(dsn: str) -> None:
+    """With ``Outbox(table=...).install(app)``, the durable short form and the
+    module-level ``apply_async`` wrote to public.outbox, which that relay
+    never reads: the rows were never sent, and nothing said so (a new user's
+    walkthrough of the public API). They follow the signature's app now,
+    and that outbox becomes the process's default for ``enqueue``."""
+    from outbox_relay import _defaults
+    from outbox_relay.celery import DurableTask
+
+    _defaults.reset()
+    try:
+        app = Celery("billing-app", broker="memory://", set_as_current=False)
+        outbox = outbox_relay.Outbox(table="billing.events")
+        outbox.install(app, dsn=dsn, beat=False)
+
+        @app.task(name="billing.charge", base=DurableTask, shared=False)
+        def charge(order_id: int) -> None: ...
+
+        @app.task(name="billing.notify", shared=False)
+        def notify(order_id: int) -> None: ...
+
+        with psycopg.connect(dsn) as conn:
+            conn.execute("CREATE SCHEMA billing")
+            outbox.migrate(conn)
+            conn.commit()
+            with conn.transaction():
+                charge.enqueue(conn, 1)
+                outbox_relay.apply_async(conn, notify.s(2))
+                outbox_relay.enqueue(
+                    conn, aggregate_type="invoice", aggregate_id="3", event_type="e", payload={}
+                )
+        assert _rows(dsn, "SELECT event_type FROM billing.events ORDER BY id") == [
+            ("celery.durable",),
+            (CANVAS_EVENT_TYPE,),
+            ("e",),
+        ]
+        assert _rows(dsn, "SELECT count(*) FROM outbox") == [(0,)]
+    finally:
+        _defaults.reset()
 
 
 def test_options_that_cannot_go_through_the_outbox_are_refused() -> None:

@@ -361,19 +361,56 @@ def test_oversize_payload_raises_and_writes_nothing(conn: psycopg.Connection[Any
         {"delay": -1},
         {"delay": float("nan")},
         {"delay": "soon"},
+        # What PostgreSQL would refuse: a raw driver error (or an overflow)
+        # after the savepoint, not a message naming the field.
+        {"delay": timedelta.max},
+        {"delay": 1e12},
+        {"payload": {"note": "a\x00b"}},
+        {"payload": {"a\x00": 1}},
+        {"payload": {"note": "\udcff"}},
+        {"headers": {"h": "\x00"}},
+        {"aggregate_id": "a\x00"},
+        {"event_type": "\ud800"},
+        # Read as a stored canvas by the relay: every attempt failed.
+        {"event_type": "celery.apply_async"},
+        {"event_type": "celery.durable"},
     ],
     ids=repr,
 )
 def test_invalid_fields_raise_invalid_message_and_write_nothing(
     dsn: str, bad: dict[str, Any]
 ) -> None:
+    field = next(iter(bad))
     with psycopg.connect(dsn) as producer:
         producer.execute("SELECT 1")  # inside the caller's transaction
         kept = order_created(producer)
-        with pytest.raises(InvalidMessage):
+        with pytest.raises(InvalidMessage, match=field):
             order_created(producer, **bad)
         producer.commit()
         assert [r[0] for r in rows(producer)] == [kept]
+
+
+def test_a_string_holding_backslash_u0000_is_no_nul(conn: psycopg.Connection[Any]) -> None:
+    """The NUL check reads the JSON text: an escaped backslash before "u0000"
+    is six plain characters, which jsonb stores."""
+    message_id = order_created(conn, payload={"path": "C:\\u0000"})
+    row = conn.execute("SELECT payload FROM outbox WHERE id = %s", (message_id,)).fetchone()
+    assert row == ({"path": "C:\\u0000"},)
+
+
+def test_enqueue_in_a_failed_transaction_says_so_and_writes_nothing(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg refused the savepoint, then logged "savepoint does not exist"
+    on the way out, which hid the statement that failed first."""
+    with psycopg.connect(dsn) as producer:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            producer.execute("SELECT 1 / 0")
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="already failed"):
+            order_created(producer)
+        producer.rollback()
+        assert "savepoint" not in caplog.text
+        assert rows(producer) == []
 
 
 def test_enqueue_many_names_an_item_that_is_not_a_new_message_and_writes_nothing(

@@ -359,6 +359,8 @@ def test_the_plain_loop_drives_the_same_services(conn: psycopg.Connection[Any]) 
         assert rounds < 10, (rows(conn), loop.report)
     assert sorted(published) == ids
     assert loop.report.done == 25
+    # Counts only: a loop that runs for weeks kept every outcome in memory.
+    assert loop.report.outcomes == []
     assert {r[1] for r in rows(conn)} == {"done"}
     # Attempts: one each, counted as each delivery began (the dead worker's
     # claim had counted one for the first row).
@@ -378,6 +380,29 @@ def test_the_plain_loop_refuses_chunks_that_cannot_fit_the_lease(
             rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
             chunk_size=4,
         )
+
+
+def test_the_plain_loop_starts_with_the_defaults(conn: psycopg.Connection[Any]) -> None:
+    """Its default chunk of 50 with a default deliverer (8 at a time, 10 s
+    each: 70 s) did not fit the documented 60 s lease: the defaults refused
+    to start. The default chunk is what fits."""
+    from outbox_relay import Claimer, RelayLoop
+
+    db = DirectDatabase(conn)
+    loop = RelayLoop(
+        claimer=Claimer(
+            db,
+            table=OutboxTable(),
+            owner=lambda: "me",
+            batch_size=100,
+            max_in_flight=None,
+            lease=timedelta(seconds=60),  # the documented lease
+            max_attempts=12,
+        ),
+        deliverer=Deliverer(print, db=db),
+        rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
+    )
+    assert loop.chunk_size == 40  # 5 waves of 8 x 10 s = 50 s < 60 s
 
 
 def test_relaxed_finalizes_keep_claims_durable(dsn: str) -> None:
@@ -437,6 +462,34 @@ def test_a_coroutine_publisher_publishes_a_chunk_in_waves_and_its_failures_are_c
     # Up to the concurrency at once, all on the deliverer's one event loop.
     assert most[0] == 4
     assert threads == {"outbox-publish-loop"}
+
+
+def test_dispatch_once_calls_share_one_event_loop_and_its_cached_client(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """publishers.md's coroutine publisher makes its client once, on the loop
+    it first runs on. Each dispatch_once call made a loop and a thread of its
+    own: the second call's publishes failed on the first call's client (bound
+    to another loop), and every call left a thread behind."""
+    from outbox_relay import dispatch_once
+
+    seed(conn, 6)
+    loops: set[int] = set()
+    made: list[asyncio.Event] = []
+
+    async def publish(message: Message) -> None:
+        loops.add(id(asyncio.get_running_loop()))
+        if not made:
+            made.append(asyncio.Event())  # bound to the loop it is first used on
+        made[0].set()
+        await made[0].wait()  # RuntimeError on another loop
+
+    before = threading.active_count()
+    for _ in range(3):
+        assert dispatch_once(conn, publish, owner="me", batch=2) == 2
+    assert {r[1] for r in rows(conn)} == {"done"}
+    assert len(loops) == 1
+    assert threading.active_count() <= before + 1  # the one loop's thread at most
 
 
 def test_an_interrupted_chunk_of_a_coroutine_publisher_leaves_running_publishes_leased(

@@ -259,6 +259,41 @@ def test_expired_lease_nobody_took_over_still_finalizes(conn: psycopg.Connection
     assert row(conn, message_id)["status"] == "done"
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"lease": timedelta(0)}, "lease must be more than 0s"),
+        ({"lease": -10}, "lease must be more than 0s"),
+        ({"lease": "30s"}, "lease must be a timedelta or seconds, not str"),
+        ({"batch": -1}, "batch must be a number of rows, 0 or more"),
+    ],
+    ids=repr,
+)
+def test_claim_refuses_a_lease_that_ends_at_once_and_a_negative_batch(
+    conn: psycopg.Connection[Any], kwargs: dict[str, Any], expected: str
+) -> None:
+    """A lease of 0 s (or less) was granted already expired: the next claim
+    took the same row again and burned a second attempt."""
+    [message_id] = seed(conn, 1)
+    args: dict[str, Any] = {"owner": "w", "batch": 1, "lease": LEASE, **kwargs}
+    with pytest.raises(ValueError, match=expected):
+        store.claim(conn, **args)
+    assert row(conn, message_id)["status"] == "pending"
+    assert row(conn, message_id)["attempts"] == 0
+
+
+def test_leases_and_delays_take_seconds_as_enqueue_does(conn: psycopg.Connection[Any]) -> None:
+    """enqueue(delay=1.5) took seconds; claim(lease=30), extend_lease(lease=60)
+    and reschedule(delay=1.5) failed in the driver (cannot cast smallint)."""
+    [message_id] = seed(conn, 1)
+    [m] = store.claim(conn, owner="w", batch=1, lease=30)
+    assert store.extend_lease(conn, m, lease=60) is True
+    before = db_now(conn)
+    assert store.reschedule(conn, m, delay=90.5, error="busy", refund_attempt=False) is True
+    due = row(conn, message_id)["available_at"]
+    assert timedelta(seconds=90) < due - before < timedelta(seconds=95)
+
+
 def test_poison_message_ends_dead_after_max_attempts_and_is_never_claimed_again(
     conn: psycopg.Connection[Any],
 ) -> None:

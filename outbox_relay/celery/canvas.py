@@ -38,7 +38,7 @@ import psycopg
 from ..errors import InvalidMessage, PermanentError, RetryableError
 from ..model import Message
 from ..outbox import Outbox
-from ..producer import NewMessage, enqueue_many
+from ..producer import CANVAS_EVENT_TYPE, NewMessage, enqueue_many
 from ..publishers._process import PerProcess
 from ..publishers.celery_task import did_you_mean, sending
 
@@ -52,7 +52,6 @@ __all__ = [
     "walk",
 ]
 
-CANVAS_EVENT_TYPE = "celery.apply_async"
 CANVAS_AGGREGATE_TYPE = "celery"
 
 # Options that are objects of the calling process (a producer, a
@@ -177,6 +176,28 @@ def _check_registered(sig: Any, app: Any) -> None:
             )
 
 
+def _check_chords_have_a_backend(sig: Any, app: Any) -> None:
+    """A chord (also a group chained to a task, which Celery makes one) is
+    started in the result backend; without one Celery refuses it in the
+    caller (NotImplementedError). Through the outbox the refusal came at every
+    send, from the relay, after the commit."""
+    from celery.backends.base import DisabledBackend
+    from celery.canvas import _chain, _chord, group
+
+    if not isinstance(app.backend, DisabledBackend):
+        return
+    for node in walk(sig, app):
+        chained_group = isinstance(node, _chain) and any(
+            isinstance(step, group) for step in _children(node, app)[:-1]
+        )
+        if isinstance(node, _chord) or chained_group:
+            raise InvalidMessage(
+                f"apply_async: a chord (or a group chained to a task, which Celery makes one) "
+                f"needs a result backend, and Celery app {app.main!r} has none: set its "
+                "result_backend (Redis, a database ...), in the relay's workers too"
+            )
+
+
 def _check_not_durable(sig: Any, app: Any) -> None:
     """Refuse a DurableTask anywhere in a canvas row: sent as part of a plain
     canvas it would run untracked, and fail on its first use of outbox_conn.
@@ -296,6 +317,8 @@ def prepare_canvas(
             "apply_async needs a Celery signature or canvas (task.s(...), chain, group, "
             f"chord), not {type(sig).__name__}"
         )
+    if sig.get("subtask_type") == "chain" and not sig.tasks:
+        raise InvalidMessage("apply_async: the chain is empty; there is no task to send")
     app = app if app is not None else _app_of(sig)
     now = now if now is not None else datetime.now(timezone.utc)
     options = dict(options or {})
@@ -343,6 +366,7 @@ def prepare_canvas(
     _check_registered(work, app)
     _check_json(work, app)
     _check_not_durable(work, app)
+    _check_chords_have_a_backend(work, app)
     for node in walk(work, app, convert=True):
         if _is_task(node):
             # As Task.apply_async would at this call: the task's own routing
@@ -449,7 +473,10 @@ def _write(conn: Any, outbox: Outbox, message: NewMessage, *, durable: bool = Fa
     Django connection (``django.db.connection``), in its current transaction.
     ``durable``: a durable task's row (a reserved event type; its chain orders
     its own steps, so no aggregate ordering)."""
-    extra: dict[str, Any] = {"ordered": False, "allow_reserved": True} if durable else {}
+    # Both are reserved event types; a durable chain orders its own steps.
+    extra: dict[str, Any] = {"allow_reserved": True}
+    if durable:
+        extra["ordered"] = False
 
     def write(pg: Any) -> int:
         return enqueue_many(pg, [message], settings=outbox.settings, **extra)[0]
@@ -580,10 +607,19 @@ class CanvasPublisher:
                 f"(event type {message.event_type!r})"
             )
         app = self.app
-        sig = Signature.from_dict(json.loads(_dumps(message.payload)), app=app)
+        try:
+            sig = Signature.from_dict(json.loads(_dumps(message.payload)), app=app)
+            nodes = list(walk(sig, app, convert=True))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            # No retry reads it better: not written by apply_async (the
+            # event type is reserved since), or edited by hand.
+            raise PermanentError(
+                f"outbox message {message.id} is not a canvas Celery can read "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
         row = f"outbox #{message.id} v{message.lease_version}"
         ours = {"outbox-id": message.id, "outbox-lease-version": message.lease_version}
-        for node in walk(sig, app, convert=True):
+        for node in nodes:
             if _is_task(node):
                 kwargs = dict(node.get("kwargs") or {})
                 # What Flower, events and worker logs show instead of the
@@ -608,6 +644,10 @@ class CanvasPublisher:
                 sig.apply_async()
         except (RetryableError, PermanentError):
             raise
+        except NotImplementedError as exc:
+            # Celery's refusal of a chord without a result backend (the
+            # relay's app has none): a setting to change, then `dead retry`.
+            raise PermanentError(f"{what}: {exc}".strip()) from exc
         except Exception as exc:
             # The result backend (a chord's header is registered there
             # before its tasks are sent) failing to answer is a retry too.

@@ -32,7 +32,7 @@ from celery import Task, signals
 from kombu.utils.uuid import uuid
 
 from ..errors import ConfigError, InvalidMessage, RetryableError
-from ..producer import NewMessage, enqueue_many
+from ..producer import DURABLE_EVENT_TYPE, NewMessage, enqueue_many
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -51,7 +51,7 @@ __all__ = [
     "write_step",
 ]
 
-DURABLE_EVENT = "celery.durable"
+DURABLE_EVENT = DURABLE_EVENT_TYPE
 # Not the celery: publisher's outbox-id / outbox-lease-version: a task that
 # publisher sends is not tracked by its row, and must never be taken for one.
 HEADER_ID = "outbox-durable-id"
@@ -152,10 +152,13 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
     def enqueue(self, conn: psycopg.Connection[Any], *args: Any, **kwargs: Any) -> AsyncResult:
         """Write a call of this task to the outbox in ``conn``'s transaction.
 
-        The process's default outbox decides the table; for options (queue,
+        The table is the one this task's app relays (its installed
+        ``Outbox``), else the process's default outbox's; for options (queue,
         countdown, task_id) or another ``Outbox`` use ``write_durable``.
         """
-        return write_durable(conn, None, self.s(*args, **kwargs), {})
+        from .runtime import outbox_for
+
+        return write_durable(conn, outbox_for(self.app), self.s(*args, **kwargs), {})
 
     def retry(self, *args: Any, exc: BaseException | None = None, **kwargs: Any) -> Any:
         """Never a broker retry: ask for a reschedule in the database instead.

@@ -95,8 +95,11 @@ def install(
             "docs/configuration.md"
         )
     if outbox is None:
-        outbox = made = Outbox.from_settings(settings, conf=app.conf)
-        _defaults.register(lambda: made.settings, explicit=False)
+        outbox = Outbox.from_settings(settings, conf=app.conf)
+    # The process's default unless configure() or an earlier install() set
+    # one: outbox_relay.enqueue then writes where this relay reads.
+    chosen = outbox
+    _defaults.register(lambda: chosen.settings, explicit=False)
     relay_settings = {k: v for k, v in settings.items() if k not in _PRODUCER_FIELDS}
     inst = Installation(app, outbox, relay_settings, task_options)
     inst.given = given

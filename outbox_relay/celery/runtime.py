@@ -53,7 +53,7 @@ from .events import Observers, TaskEvents
 from .identity import identity_of
 from .options import annotations_for, retry_policy, time_limits
 
-__all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services"]
+__all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services", "outbox_for"]
 
 # How long a worker or beat starting up waits for a database that refuses
 # connections (down, restarting) before it gives up.
@@ -599,6 +599,20 @@ class Installation:
             if self._pid == os.getpid() and self._services is not None:
                 self._services.close()
             self._services = None
+
+
+def outbox_for(app: Any) -> Outbox:
+    """The outbox whose table ``app``'s relay reads, when the relay is
+    installed in it; else the process's default (``configure()``, the first
+    ``install()``, the environment). A task's call written anywhere else is
+    never sent: with two apps in one process, the first install's table is
+    the default, and the second app's tasks must go to the second's."""
+    inst = getattr(app, "outbox_relay", None) if app is not None else None
+    if isinstance(inst, Installation):
+        return inst.outbox
+    from ..outbox import default_outbox
+
+    return default_outbox()
 
 
 # Content types whose decoding runs code: pickle.

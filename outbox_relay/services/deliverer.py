@@ -28,6 +28,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -41,7 +42,7 @@ from .. import store
 from ..db import Database
 from ..errors import PermanentError, RetryableError
 from ..model import Claimed, LeaseRef, Message, Outcome
-from ..producer import RESERVED_EVENT_TYPES
+from ..producer import DURABLE_EVENT_TYPE
 from ..publishers.protocol import is_async_publisher
 from ..store.relay import Began
 from ..table import OutboxTable
@@ -57,6 +58,7 @@ __all__ = [
     "DeliveryReport",
     "Observer",
     "Publisher",
+    "publish_loop",
     "threads_at_once",
 ]
 
@@ -240,9 +242,8 @@ class Deliverer:
         self.completer = completer
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
-        # A coroutine publisher runs on an event loop of its own (_loop).
+        # A coroutine publisher runs on the process's publish loop.
         self.is_async = is_async_publisher(publisher)
-        self._event_loop: asyncio.AbstractEventLoop | None = None
         # How long a publish has taken lately (None: not known yet); see _publish_all.
         self._publish_seconds: float | None = None
 
@@ -339,7 +340,7 @@ class Deliverer:
         self, msg: Claimed, hold: Hold | None, stop: threading.Event
     ) -> BaseException | _NotPublished | None:
         """Why this row must not be published now, if it must not."""
-        if msg.event_type in RESERVED_EVENT_TYPES:
+        if msg.event_type == DURABLE_EVENT_TYPE:
             # A durable Celery task's row: the Celery relay sends it as the
             # task itself; published as a message, it would never run.
             return PermanentError(
@@ -407,22 +408,10 @@ class Deliverer:
                 )
             return self._executor
 
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop of a coroutine publisher: one per deliverer, in a
-        thread of its own, made on first use (so after a fork)."""
-        with self._executor_lock:
-            if self._event_loop is None:
-                loop = asyncio.new_event_loop()
-                threading.Thread(
-                    target=loop.run_forever, name="outbox-publish-loop", daemon=True
-                ).start()
-                self._event_loop = loop
-            return self._event_loop
-
     def _wait_on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the deliverer's loop; wait for it in this thread
-        (where an interruption such as a soft time limit is raised)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop()).result()
+        """Run ``coroutine`` on the process's publish loop; wait for it in this
+        thread (where an interruption such as a soft time limit is raised)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, publish_loop()).result()
 
     def _publish_all_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
         """A chunk's publishes as coroutines, up to ``concurrency`` at once, in
@@ -648,9 +637,33 @@ class Deliverer:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
-            if self._event_loop is not None:
-                self._event_loop.call_soon_threadsafe(self._event_loop.stop)
-                self._event_loop = None
+
+
+_publish_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+_publish_loop_lock = threading.Lock()
+
+
+def publish_loop() -> asyncio.AbstractEventLoop:
+    """The event loop coroutine publishers run on: one per process, in a
+    daemon thread of its own, made on first use (and again in a forked
+    child, which has the parent's loop but not its thread).
+
+    One per process, not per deliverer: a publisher's client made on first
+    use (an ``httpx.AsyncClient``, docs/publishers.md) is bound to the loop
+    it was made on, and ``dispatch_once`` makes a deliverer per call. With a
+    loop each, the second call's publishes failed on the first call's client
+    ("bound to a different event loop"), and every call left a thread and a
+    loop behind."""
+    global _publish_loop
+    pid = os.getpid()
+    with _publish_loop_lock:
+        if _publish_loop is None or _publish_loop[0] != pid:
+            loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=loop.run_forever, name="outbox-publish-loop", daemon=True
+            ).start()
+            _publish_loop = (pid, loop)
+        return _publish_loop[1]
 
 
 async def _awaited(awaitable: Any) -> Any:

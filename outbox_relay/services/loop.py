@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -112,7 +112,11 @@ class _Every:
 
 
 class RelayLoop:
-    """The relay in one thread: rescue, claim, deliver in chunks, purge."""
+    """The relay in one thread: rescue, claim, deliver in chunks, purge.
+
+    ``chunk_size``: rows per delivery (default: up to 50, as many as the
+    deliverer can publish within the claimer's lease).
+    """
 
     def __init__(
         self,
@@ -121,18 +125,26 @@ class RelayLoop:
         deliverer: Deliverer,
         rescuer: Rescuer,
         purger: Purger | None = None,
-        chunk_size: int = 50,
+        chunk_size: int | None = None,
         claim_interval: float = 1.0,
         rescue_interval: float = 5.0,
         purge_interval: float = 3600.0,
     ) -> None:
+        lease = claimer.lease.total_seconds()
+        if chunk_size is None:
+            # Up to 50 rows, as many as fit the lease: with the deliverer's
+            # defaults (8 at a time, 10 s each) 50 rows are 7 waves, 70 s,
+            # over the default 60 s lease, and the defaults refused to start.
+            chunk_size = next(
+                (n for n in range(50, 1, -1) if deliverer.worst_seconds(n) < lease), 1
+            )
         worst = deliverer.worst_seconds(chunk_size)
-        if worst >= claimer.lease.total_seconds():
+        if worst >= lease:
             # Every chunk would be given back unpublished, round after round.
             raise ConfigError(
                 f"a chunk of {chunk_size} may publish for {worst:g}s "
                 f"({deliverer.concurrency} at a time, {deliverer.publish_timeout:g}s each), "
-                f"which does not fit the claim's lease of {claimer.lease.total_seconds():g}s"
+                f"which does not fit the claim's lease of {lease:g}s"
             )
         self.claimer = claimer
         self.deliverer = deliverer
@@ -142,6 +154,8 @@ class RelayLoop:
         self.claim_interval = claim_interval
         self._rescue = _Every(rescue_interval)
         self._purge = _Every(purge_interval)
+        # Running counts since the loop was made; not each outcome, which a
+        # loop that runs for weeks would keep without end.
         self.report = DeliveryReport()
 
     def run_once(self) -> int:
@@ -155,7 +169,7 @@ class RelayLoop:
         claimed = result.claimed
         for i in range(0, len(claimed), self.chunk_size):
             chunk = claimed[i : i + self.chunk_size]
-            self.report.add(self.deliverer.deliver([c.ref for c in chunk]))
+            self.report.add(replace(self.deliverer.deliver([c.ref for c in chunk]), outcomes=[]))
         return len(claimed)
 
     def run(self, stop: threading.Event) -> None:

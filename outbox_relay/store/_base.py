@@ -3,7 +3,9 @@ transaction a single store call runs in."""
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -18,6 +20,7 @@ __all__ = [
     "begin_caller_transaction",
     "clip",
     "configure_relay_session",
+    "duration",
     "queries",
     "relax_commit",
     "statement_tx",
@@ -43,6 +46,23 @@ def statement_tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
     if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
         return nullcontext()
     return conn.transaction()
+
+
+def duration(name: str, value: timedelta | float, *, positive: bool) -> timedelta:
+    """``value`` (a timedelta, or seconds as ``enqueue``'s delay takes them) as
+    a timedelta; ValueError naming ``name`` for anything else, or for a
+    negative one (or zero, when it must be ``positive``: a lease of 0 s
+    ends before the claim commits, and the same row is claimed again)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of seconds, not {value}")
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta):
+        raise ValueError(f"{name} must be a timedelta or seconds, not {type(value).__name__}")
+    if value < timedelta(0) or (positive and not value):
+        least = "more than" if positive else "at least"
+        raise ValueError(f"{name} must be {least} 0s, not {value}")
+    return value
 
 
 def clip(error: str | None) -> str | None:

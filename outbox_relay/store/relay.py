@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 from ..model import Claimed, LeaseRef, Outcome
-from ._base import TableLike, clip, queries, statement_tx
+from ._base import TableLike, clip, duration, queries, statement_tx
 
 __all__ = [
     "Began",
@@ -93,7 +93,7 @@ def claim(
     *,
     owner: str,
     batch: int,
-    lease: timedelta,
+    lease: timedelta | float,
     max_attempts: int = 12,
     ordered: bool | Iterable[str] = False,
     max_in_flight: int | None = None,
@@ -114,13 +114,15 @@ def claim(
     cannot each see room and overshoot together.
     The Celery relay passes ``rescue_first=False`` (its rescuer runs on a
     tick of its own) and ``count_attempt=False`` (the delivery task counts
-    the attempt when it begins).
+    the attempt when it begins). ``lease``: a timedelta, or seconds.
     """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ValueError(f"batch must be a number of rows, 0 or more, not {batch!r}")
     return claim_batch(
         conn,
         owner=owner,
         batch=batch,
-        lease=lease,
+        lease=duration("lease", lease, positive=True),
         max_attempts=max_attempts,
         ordered=ordered,
         max_in_flight=max_in_flight,
@@ -364,13 +366,15 @@ def reschedule(
     conn: psycopg.Connection[Any],
     msg: Claimed | LeaseRef,
     *,
-    delay: timedelta,
+    delay: timedelta | float,
     error: str | None,
     refund_attempt: bool,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> bool:
-    """``processing -> pending`` due after ``delay``; False when the lease was lost."""
+    """``processing -> pending`` due after ``delay`` (a timedelta, or seconds);
+    False when the lease was lost."""
+    delay = duration("delay", delay, positive=False)
     outcome = Outcome.retry(msg, delay=delay, error=error, refund_attempt=refund_attempt)
     return msg.id in finalize(conn, [outcome], table=table, now=now)
 
@@ -391,11 +395,13 @@ def extend_leases(
     conn: psycopg.Connection[Any],
     refs: Sequence[LeaseRef | Claimed],
     *,
-    lease: timedelta,
+    lease: timedelta | float,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> dict[int, float]:
-    """Renew leases (fenced on the same version): held id -> seconds of lease now left."""
+    """Renew leases (fenced on the same version): held id -> seconds of lease now left.
+    ``lease``: a timedelta, or seconds."""
+    lease = duration("lease", lease, positive=True)
     if not refs:
         return {}
     params = {
@@ -413,7 +419,7 @@ def extend_lease(
     conn: psycopg.Connection[Any],
     msg: LeaseRef | Claimed,
     *,
-    lease: timedelta,
+    lease: timedelta | float,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> bool:
