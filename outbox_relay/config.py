@@ -52,6 +52,7 @@ __all__ = [
     "env_name",
     "hide_secrets",
     "lookup_setting",
+    "producer_settings_in_conf",
     "refuse_bad_values",
     "refuse_misspelled_producer_names",
     "refuse_unknown_environment",
@@ -547,6 +548,17 @@ def hide_secrets(conf: Any) -> None:
         concealed = conceal(key[len("outbox_") :].lower(), value)
         if concealed is not value:
             conf[key] = concealed
+
+
+def producer_settings_in_conf(conf: Any) -> dict[str, tuple[str, Any]]:
+    """The producer settings written as Celery settings (``outbox_table`` ...):
+    field -> (the setting's name, its value as the field's type)."""
+    found: dict[str, tuple[str, Any]] = {}
+    for f in fields(ProducerSettings):
+        present, raw, label = lookup_setting(f.name, conf, {}, {})
+        if present:
+            found[f.name] = (label, _coerce(label, f.type, raw))
+    return found
 
 
 def _positive(values: Mapping[str, float]) -> None:

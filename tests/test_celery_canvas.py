@@ -470,6 +470,67 @@ def test_what_celery_would_refuse_in_the_caller_is_refused_in_the_caller() -> No
         prepare_canvas(chain(), {})
 
 
+def test_a_queue_celery_would_refuse_is_refused_at_write_and_at_send() -> None:
+    """With task_create_missing_queues off, Celery's own apply_async raises
+    QueueNotFound; through the outbox the row was written, then retried as
+    a broker outage (QueueNotFound is a KeyError, which kombu's Redis
+    transport counts as a connection error) until it went dead."""
+    from kombu import Queue
+
+    from outbox_relay import Message
+    from outbox_relay.errors import PermanentError
+
+    strict = Celery("strict", broker="memory://", set_as_current=False)
+    strict.conf.update(task_queues=[Queue("default")], task_create_missing_queues=False)
+
+    @strict.task(name="strict.a", shared=False)
+    def a(x: int = 0) -> int:
+        return x
+
+    with pytest.raises(InvalidMessage, match="'typo' missing from task_queues"):
+        prepare_canvas(a.s(1), {"queue": "typo"})
+    with pytest.raises(InvalidMessage, match="'typo' missing from task_queues"):
+        prepare_canvas(group(a.s(1), a.s(2)).set(queue="typo"), {})
+    row, _ = prepare_canvas(a.s(1), {"queue": "default"})
+    # The relay's app declares fewer queues than the producer's did.
+    stricter = Celery("stricter", broker="memory://", set_as_current=False)
+    stricter.conf.update(task_queues=[Queue("other")], task_create_missing_queues=False)
+    publisher = CanvasPublisher(stricter, budget=3.0)
+    message = Message(
+        7, "k", "celery", row.aggregate_id, row.event_type, row.payload, {}, 1, 1, None
+    )
+    try:
+        with pytest.raises(PermanentError, match="add the queue to task_queues"):
+            publisher(message)
+    finally:
+        publisher.close()
+
+
+def test_the_relays_canvas_app_has_the_settings_config_from_object_loaded() -> None:
+    """conf.changes holds only what was assigned or updated: from a settings
+    module (or Django's, namespace CELERY) the canvas app had no broker and
+    sent to amqp://localhost, no result backend and no queues."""
+    from kombu import Queue
+
+    class Settings:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/9"
+        CELERY_RESULT_BACKEND = "redis://127.0.0.1:1/10"
+        CELERY_TASK_QUEUES = (Queue("team"),)
+        CELERY_TASK_DEFAULT_QUEUE = "team"
+
+    team = Celery("team", set_as_current=False)
+    team.config_from_object(Settings, namespace="CELERY")
+    publisher = CanvasPublisher(team, budget=3.0)
+    try:
+        conf = publisher.app.conf
+        assert conf.broker_url == "redis://127.0.0.1:1/9"
+        assert conf.result_backend == "redis://127.0.0.1:1/10"
+        assert conf.task_default_queue == "team"
+        assert [q.name for q in conf.task_queues] == ["team"]
+    finally:
+        publisher.close()
+
+
 def test_a_row_that_is_no_canvas_goes_dead_at_once() -> None:
     """A canvas row Celery cannot read (edited by hand, or written by enqueue
     before the event type was reserved) failed every attempt as unexpected."""

@@ -259,6 +259,116 @@ def test_install_beat_false_leaves_the_schedule_to_the_user() -> None:
     assert mine.tasks["outbox_relay.claim"] is not theirs.tasks["outbox_relay.claim"]
 
 
+def test_the_app_s_rate_limits_do_not_reach_the_relay_s_tasks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """task_annotations={"*": {"rate_limit": ...}} (or a default rate limit)
+    held deliveries in the worker's bucket past their expiry: 300 messages
+    took 2.5 minutes behind 50/s, each dropped one waiting out its lease."""
+    from celery import Celery
+
+    import outbox_relay
+
+    for conf in (
+        {"task_annotations": {"*": {"rate_limit": "5/s"}}},
+        {"task_default_rate_limit": "5/s"},
+    ):
+        app = Celery("limited", broker="memory://", set_as_current=False)
+        app.conf.update(conf)
+
+        @app.task(name="shop.mail", shared=False)
+        def mail() -> None: ...
+
+        outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+        caplog.clear()
+        app.finalize()
+        assert app.tasks["shop.mail"].rate_limit == "5/s"  # the app's own keep theirs
+        for name in ("outbox_relay.claim", "outbox_relay.deliver", "outbox_relay.deliver_batch"):
+            assert app.tasks[name].rate_limit is None, (conf, name)
+        assert "which the relay ignores" in caplog.text
+        assert "OUTBOX_MAX_IN_FLIGHT" in caplog.text
+
+
+def test_a_producer_setting_of_the_app_that_the_outbox_contradicts_is_refused() -> None:
+    """app.conf.outbox_ordered_event_types with Outbox().install(app) was
+    silently ignored: ordering off, the start-up checks passed."""
+    from celery import Celery
+
+    import outbox_relay
+
+    app = Celery("ordered", broker="memory://", set_as_current=False)
+    app.conf.update(outbox_ordered_event_types=["order.*"], outbox_max_payload_bytes=1000)
+    inst = outbox_relay.Outbox(max_payload_bytes=1000).install(
+        app, dsn="postgresql://db/app", publisher=print
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"Celery setting outbox_ordered_event_types=\('order\.\*',\) is a producer setting",
+    ):
+        inst.validate()
+    # The same values in both places are no contradiction; without an
+    # Outbox, install() makes one from them.
+    agreed = Celery("agreed", broker="memory://", set_as_current=False)
+    agreed.conf.update(outbox_ordered_event_types=["order.*"])
+    outbox = outbox_relay.Outbox(ordered_event_types=["order.*"])
+    outbox.install(agreed, dsn="postgresql://db/app", publisher=print).validate()
+    made = Celery("made", broker="memory://", set_as_current=False)
+    made.conf.update(outbox_ordered_event_types=["order.*"])
+    inst = outbox_relay.install(made, dsn="postgresql://db/app", publisher=print)
+    inst.validate()
+    assert inst.outbox.settings.ordered_event_types == ("order.*",)
+
+
+def test_relay_tasks_routed_to_an_undeclared_queue_name_the_fix() -> None:
+    """With task_create_missing_queues off, a route of outbox_relay.* to a
+    queue missing from task_queues stopped the worker with a traceback
+    through Celery's router."""
+    from celery import Celery
+    from kombu import Queue
+
+    import outbox_relay
+
+    app = Celery("routed", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_queues=[Queue("default")],
+        task_create_missing_queues=False,
+        task_routes={"outbox_relay.*": {"queue": "relay"}},
+    )
+    inst = outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    with pytest.raises(ConfigError, match=r"'relay'.*add it to task_queues"):
+        inst.relay_queue()
+
+
+def test_beat_says_so_when_the_relay_s_entries_were_replaced(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """beat_schedule assigned after install() on a configured app replaced
+    the relay's entries: beat never claimed or rescued again, silently."""
+    from celery import Celery, signals
+
+    import outbox_relay
+
+    class Beat:  # what beat_init's sender carries: its app
+        def __init__(self, app: Celery) -> None:
+            self.app = app
+
+    app = Celery("replaced", broker="memory://", set_as_current=False)
+    app.conf.timezone  # noqa: B018 (reading a setting configures the app)
+    outbox_relay.install(app, dsn=dsn, publisher=print)
+    app.conf.beat_schedule = {"nightly": {"task": "shop.report", "schedule": 86400}}
+    signals.beat_init.send(sender=Beat(app))
+    assert "beat's schedule has no entry for outbox_relay.claim and outbox_relay.rescue" in (
+        caplog.text
+    )
+    caplog.clear()
+    app.conf.beat_schedule = {}
+    kept = Celery("kept", broker="memory://", set_as_current=False)
+    outbox_relay.install(kept, dsn=dsn, publisher=print)
+    kept.conf.beat_schedule.update({"nightly": {"task": "shop.report", "schedule": 86400}})
+    signals.beat_init.send(sender=Beat(kept))
+    assert "no entry" not in caplog.text
+
+
 def test_celery_retry_backoff_keeps_celerys_schedule() -> None:
     """retry_backoff=N: the first retry waits N seconds, then 2N, 4N, as
     Celery's own autoretry would (it was 2N, 4N, 8N); the relay's own

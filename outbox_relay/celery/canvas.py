@@ -279,11 +279,44 @@ def _route(app: Any, node: Any) -> dict[str, str]:
     option given to a whole group or chord (``queue=``) still overrides it,
     as it would a task's own queue.
     """
+    from celery.exceptions import QueueNotFound
+
     if any(node.options.get(k) for k in ("queue", "exchange", "routing_key")):
-        return {}  # given: Celery's send uses it as it is
-    route = app.amqp.router.route({}, node.task, tuple(node.args), dict(node.kwargs))
+        return {}  # given: Celery's send uses it as it is (_check_queues)
+    try:
+        route = app.amqp.router.route({}, node.task, tuple(node.args), dict(node.kwargs))
+    except QueueNotFound as exc:
+        raise InvalidMessage(
+            f"apply_async: task {node.task!r}: {_missing_queue(exc, app)}"
+        ) from None
     queue = route.get("queue")
     return {} if queue is None else {"queue": str(getattr(queue, "name", queue))}
+
+
+def _missing_queue(exc: BaseException, app: Any) -> str:
+    return (
+        f"{exc.args[0] if exc.args else exc}: Celery app {app.main!r} sends only to the "
+        "queues of its task_queues (task_create_missing_queues is off); Celery's own "
+        "apply_async would refuse it too (QueueNotFound)"
+    )
+
+
+def _check_queues(sig: Any, app: Any) -> None:
+    """A queue given by name that Celery would refuse in the caller: through
+    the outbox it was refused at every send, from the relay, until the row
+    went dead."""
+    if app.conf.task_create_missing_queues:
+        return
+    known = app.amqp.queues
+    for node in walk(sig, app):
+        queue = node.options.get("queue")
+        name = getattr(queue, "name", queue)
+        if isinstance(name, str) and name and name not in known:
+            what = f"task {node.task!r}" if _is_task(node) else "the canvas"
+            raise InvalidMessage(
+                f"apply_async: {what}: "
+                + _missing_queue(KeyError(f"Queue {name!r} missing from task_queues"), app)
+            )
 
 
 def _root_id(result: Any) -> str:
@@ -367,6 +400,7 @@ def prepare_canvas(
     _check_json(work, app)
     _check_not_durable(work, app)
     _check_chords_have_a_backend(work, app)
+    _check_queues(work, app)
     for node in walk(work, app, convert=True):
         if _is_task(node):
             # As Task.apply_async would at this call: the task's own routing
@@ -559,7 +593,7 @@ class CanvasPublisher:
 
         conf = self.relay_app.conf
         app = Celery(self.relay_app.main, set_as_current=False)
-        app.conf.update(dict(conf.changes))
+        app.conf.update(_configuration(conf))
         transport = dict(conf.get("broker_transport_options") or {})
         transport.update(
             # RabbitMQ acknowledges each publish: a send counts once the broker has it.
@@ -659,6 +693,26 @@ class CanvasPublisher:
         app = self._app.reset()
         if app is not None:
             app.close()
+
+
+def _configuration(conf: Any) -> dict[str, Any]:
+    """Every setting of ``conf`` as the app reads it, not only Celery's
+    defaults: what was assigned or updated (``conf.changes``), and what
+    ``config_from_object`` loaded (a settings module, Django's settings
+    under the ``CELERY`` namespace), which ``conf.changes`` leaves out. With
+    ``changes`` alone the canvas app of most real apps had no broker (it
+    fell back to amqp://localhost, and sent there), no result backend and
+    none of their ``task_queues``."""
+    from celery.app.defaults import DEFAULTS
+
+    # Lower-case keys only: a user's own settings, never Celery's old
+    # upper-case names, which Celery refuses to mix with the new ones.
+    found = {k: v for k, v in dict(conf.changes).items() if k == k.lower()}
+    for key, default in DEFAULTS.items():
+        value = conf.get(key)
+        if value is not None and value != default:
+            found[key] = value
+    return found
 
 
 def _backend_unreachable(exc: BaseException) -> bool:

@@ -113,9 +113,44 @@ def install(
     _when_configured(app, lambda: _add_route(app, inst))
     if beat:
         _when_configured(app, lambda: _add_beat_entries(app, inst))
-        _check_beat(app, inst)
+    _check_beat(app, inst, beat)
+    _when_finalized(app, lambda: _lift_rate_limits(app))
     _wire_worker(app, inst, consume)
     return inst
+
+
+# Every relay task; none of them may wait in a rate limit.
+_RELAY_TASKS = (names.CLAIM, names.DELIVER, names.DELIVER_BATCH, names.RESCUE, names.PURGE)
+
+
+def _when_finalized(app: Any, fn: Any) -> None:
+    if app.finalized:
+        fn()
+    else:
+        app.on_after_finalize.connect(lambda sender=None, **kw: fn(), weak=False)
+
+
+def _lift_rate_limits(app: Any) -> None:
+    """A rate limit from the app (``task_annotations={"*": {"rate_limit":
+    ...}}`` or ``task_default_rate_limit``) applies to the relay's tasks too.
+    A delivery then waits in the worker's bucket past its expiry and is
+    dropped, and its row waits out its lease: 300 messages took 2.5 minutes
+    behind "50/s", and the rescuer's "delivery tasks were lost or stuck"
+    pointed the wrong way. The relay's pace is the in-flight cap's."""
+    limited = []
+    for name in _RELAY_TASKS:
+        task = app.tasks.get(name)
+        if task is not None and task.rate_limit:
+            limited.append(f"{name} ({task.rate_limit})")
+            task.rate_limit = None
+    if limited:
+        log.warning(
+            "outbox-relay: this app's task_annotations or task_default_rate_limit give the "
+            "relay's tasks a rate limit, which the relay ignores (a rate-limited delivery "
+            "expires in the worker and its row waits out its lease): %s. Limit the relay with "
+            "OUTBOX_MAX_IN_FLIGHT, and annotate your own tasks by name",
+            ", ".join(limited),
+        )
 
 
 def _when_configured(app: Any, fn: Any) -> None:
@@ -246,8 +281,9 @@ def _add_beat_entries(app: Any, inst: Installation) -> None:
     app.conf.beat_schedule = schedule
 
 
-def _check_beat(app: Any, inst: Installation) -> None:
-    """Fail ``celery beat`` at start on bad settings, a bad publisher or no migration."""
+def _check_beat(app: Any, inst: Installation, beat: bool) -> None:
+    """Fail ``celery beat`` at start on bad settings, a bad publisher or no
+    migration; say so when the relay's entries are not in its schedule."""
 
     def on_beat_init(sender: Any = None, **kwargs: Any) -> None:
         if getattr(sender, "app", app) is not app:
@@ -261,8 +297,26 @@ def _check_beat(app: Any, inst: Installation) -> None:
             # message: Python would print that to stderr, which beat logs
             # again as a WARNING line.
             raise SystemExit(1) from None
+        if beat:
+            _warn_missing_entries(app)
 
     signals.beat_init.connect(on_beat_init, weak=False)
+
+
+def _warn_missing_entries(app: Any) -> None:
+    """``app.conf.beat_schedule = {...}`` assigned after install() on a
+    configured app replaced the relay's entries: beat then never claimed,
+    rescued or purged (only NOTIFY claimed, and retries waited for good)."""
+    tasks = {entry.get("task") for entry in (app.conf.beat_schedule or {}).values()}
+    missing = [name for name in (names.CLAIM, names.RESCUE) if name not in tasks]
+    if missing:
+        log.warning(
+            "outbox-relay: beat's schedule has no entry for %s: expired leases and retries "
+            "wait for good. Something replaced app.conf.beat_schedule after install(); "
+            "add to it instead (app.conf.beat_schedule.update(...) or "
+            "app.add_periodic_task), or install(app, beat=False) and schedule them yourself",
+            " and ".join(missing),
+        )
 
 
 def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:

@@ -28,7 +28,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from .. import store
 from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
-from ..config import Settings, conceal, hide_secrets, lookup_setting
+from ..config import Settings, conceal, hide_secrets, lookup_setting, producer_settings_in_conf
 from ..db import PoolDatabase, bounded_connection_kwargs
 from ..errors import ConfigError, OutboxError, PermanentError, RetryableError
 from ..model import Message
@@ -307,7 +307,17 @@ class Installation:
         return str(raw) if found and raw else Settings.queue
 
     def _routed_queue(self) -> str | None:
-        route = self.app.amqp.router.route({}, names.CLAIM, (), {})
+        from celery.exceptions import QueueNotFound
+
+        try:
+            route = self.app.amqp.router.route({}, names.CLAIM, (), {})
+        except QueueNotFound as exc:
+            # A worker stopped on a traceback through Celery's router.
+            raise ConfigError(
+                f"the relay's tasks are routed (task_routes) to a queue this app does not "
+                f"declare ({exc.args[0] if exc.args else exc}): add it to task_queues, or "
+                "set task_create_missing_queues"
+            ) from None
         queue = route.get("queue")
         return str(getattr(queue, "name", queue) or "") or None
 
@@ -361,6 +371,7 @@ class Installation:
         """
         s = self.settings
         s.require_dsn()
+        self._check_producer_settings()
         self._check_publisher()
         _warn_unsafe_content(self.app)
         lease = s.lease_seconds
@@ -387,6 +398,23 @@ class Installation:
                 f"greater than OUTBOX_LEASE_SECONDS ({lease:g}s), or the broker redelivers "
                 "tasks that are still running"
             )
+
+    def _check_producer_settings(self) -> None:
+        """The Outbox holds the producer settings (table, ordering ...): an
+        ``outbox_*`` Celery setting that says otherwise was silently ignored
+        when an Outbox was given to install() (ordering off, say, or another
+        table). Without one, install() made its Outbox from them."""
+        if self.given and self.given[0] is None:
+            return
+        outbox = self.outbox.settings
+        for field, (label, value) in producer_settings_in_conf(self.app.conf).items():
+            if value != getattr(outbox, field):
+                raise ConfigError(
+                    f"Celery setting {label}={value!r} is a producer setting, and the Outbox "
+                    f"given to install() has {field}={getattr(outbox, field)!r}: producers and "
+                    f"the relay follow the Outbox. Give it to Outbox({field}=...), or remove "
+                    f"{label}"
+                )
 
     def _check_publisher(self) -> None:
         s = self.settings

@@ -385,10 +385,19 @@ def sending(app: Any, what: str) -> Iterator[None]:
     rescheduled in the database; arguments that cannot be encoded never will
     be, so they are permanent.
     """
+    from celery.exceptions import QueueNotFound
+
     try:
         yield
     except kombu.exceptions.EncodeError as exc:
         raise PermanentError(f"{what}: arguments cannot be serialized: {exc}") from exc
+    except QueueNotFound as exc:
+        # A KeyError, which kombu's Redis transport counts among its
+        # connection errors: it was retried as if the broker were away.
+        raise PermanentError(
+            f"{what}: {exc.args[0] if exc.args else exc}: add the queue to task_queues (or "
+            "set task_create_missing_queues), then send it again with `outbox-relay dead retry`"
+        ) from exc
     except (kombu.exceptions.KombuError, OSError) as exc:
         raise RetryableError(f"{what}: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:

@@ -41,24 +41,30 @@ CREATE TABLE effects (tag text NOT NULL, task_id text NOT NULL);
 CREATE TABLE orders (id int PRIMARY KEY);
 """
 
-app = Celery(
-    "canvas",
-    broker=os.environ.get("CANVAS_BROKER_URL", "memory://"),
-    backend=os.environ.get("CANVAS_BACKEND_URL") or None,
-)
-app.conf.update(
-    task_serializer="json",
-    accept_content=["json"],
-    result_serializer="json",
-    task_default_queue=os.environ.get("CANVAS_QUEUE", "celery"),
-    broker_connection_retry_on_startup=True,
-    worker_prefetch_multiplier=1,
+
+class CanvasSettings:
+    """Read with ``config_from_object``, as most teams configure Celery (a
+    settings module, Django's settings): not ``conf.update``, whose values
+    alone the relay's canvas app once copied. It then had no broker (and
+    sent to amqp://localhost), no result backend and no queues."""
+
+    broker_url = os.environ.get("CANVAS_BROKER_URL", "memory://")
+    result_backend = os.environ.get("CANVAS_BACKEND_URL") or None
+    task_serializer = "json"
+    accept_content = ("json",)
+    result_serializer = "json"
+    task_default_queue = os.environ.get("CANVAS_QUEUE", "celery")
+    broker_connection_retry_on_startup = True
+    worker_prefetch_multiplier = 1
     # The broker is shared with other suites: answer no broadcast commands.
-    worker_enable_remote_control=False,
+    worker_enable_remote_control = False
     # A chord's callback waits for its header's results: keep them.
-    task_ignore_result=False,
-    result_expires=600,
-)
+    task_ignore_result = False
+    result_expires = 600
+
+
+app = Celery("canvas")
+app.config_from_object(CanvasSettings)
 
 
 def _record(task: Any, tag: str, prev: Any) -> None:
