@@ -56,9 +56,18 @@ class OutboxTable:
 
     @classmethod
     def parse(cls, value: str | OutboxTable | None) -> OutboxTable:
-        """Accept ``"outbox"``, ``"schema.outbox"`` or an ``OutboxTable``."""
+        """Accept ``"outbox"``, ``"schema.outbox"`` or an ``OutboxTable``.
+
+        None: the table ``outbox_relay.enqueue`` writes to (``configure()``,
+        the first ``install()``, ``OUTBOX_TABLE``, else ``public.outbox``), so
+        that every call taking ``table=`` agrees with it when given none
+        (``claim``, ``stats`` and ``dispatch_once`` read public.outbox while
+        ``enqueue`` wrote to OUTBOX_TABLE's table).
+        """
         if value is None:
-            return cls()
+            from ._defaults import producer_settings
+
+            return producer_settings().outbox_table
         if isinstance(value, OutboxTable):
             return value
         if not isinstance(value, str):

@@ -893,4 +893,4 @@ def test_the_readme_example_writes_one_canvas_row(dsn: str, tmp_path: Path) -> N
     [(_id, status, _type, root, payload)] = _canvas_rows(dsn)
     assert (status, root) == ("pending", first)
     assert payload["options"]["task_id"] == last  # a chain's own id is its last task's
-    assert _rows(dsn, "SELECT id FROM orders") == [(42,)]
+    assert _rows(dsn, "SELECT id FROM orders") == [(7,)]

@@ -678,6 +678,39 @@ def test_migrate_prepares_the_table_enqueue_writes_to(
         _defaults.reset()
 
 
+def test_every_call_given_no_table_uses_the_table_enqueue_writes_to(dsn: str) -> None:
+    """After configure(table=...), stats, claim and dispatch_once read
+    public.outbox while enqueue wrote elsewhere (the API walkthrough: claim
+    returned another table's rows)."""
+    from outbox_relay import _defaults
+
+    _defaults.reset()
+    try:
+        outbox_relay.configure(table="billing.events")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA billing")
+            outbox_relay.migrate(conn)
+            # A row in public.outbox, which the calls below must leave alone.
+            outbox_relay.Outbox(table="outbox").enqueue(
+                conn, aggregate_type="order", aggregate_id="9", event_type="e", payload={}
+            )
+            with conn.transaction():
+                message_id = enqueue(
+                    conn, aggregate_type="invoice", aggregate_id="1", event_type="e", payload={}
+                )
+            assert outbox_relay.stats(conn)["pending"] == 1
+            [claimed] = outbox_relay.claim(conn, owner="me", batch=5, lease=30)
+            assert claimed.id == message_id
+            assert outbox_relay.rescue(conn, max_attempts=3).released == []
+            published: list[int] = []
+            conn.execute("UPDATE billing.events SET lease_until = now() - interval '1 s'")
+            assert outbox_relay.dispatch_once(conn, lambda m: published.append(m.id), owner="me")
+            assert published == [message_id]
+            assert conn.execute("SELECT status FROM outbox").fetchall() == [("pending",)]
+    finally:
+        _defaults.reset()
+
+
 def test_a_producer_refuses_a_misspelled_producer_setting(
     conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -106,6 +106,8 @@ class _NoObserver:
 
 @dataclass
 class DeliveryReport:
+    """What became of a chunk's messages, counted (and each ``Outcome``)."""
+
     done: int = 0
     retried: int = 0
     dead: int = 0

@@ -12,6 +12,9 @@ __all__ = ["Purger"]
 
 
 class Purger:
+    """Deletes ``done`` rows older than ``older_than``, in bounded batches
+    (``run_once``), so that the table stays small."""
+
     def __init__(
         self,
         db: Database,

@@ -29,6 +29,9 @@ __all__ = ["Rescuer"]
 
 
 class Rescuer:
+    """Frees expired leases (``run_once``): back to ``pending``, or ``dead``
+    when the attempt that expired was the last."""
+
     def __init__(
         self,
         db: Database,
