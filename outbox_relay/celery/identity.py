@@ -24,6 +24,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..table import OutboxTable
@@ -91,7 +92,7 @@ class _Reports:
 _reports = _Reports()
 
 
-def send_back_if_foreign(task: Any, own: str | None, queue: str) -> bool:
+def send_back_if_foreign(task: Any, own: str | None, queue: Callable[[], str]) -> bool:
     """Whether ``task`` (a relay task, running) was sent by another relay.
 
     If so it is sent back to the queue with its arguments, expiry and time
@@ -127,7 +128,7 @@ def send_back_if_foreign(task: Any, own: str | None, queue: str) -> bool:
     return True
 
 
-def _report(origin: str, own: str, queue: str, name: str) -> None:
+def _report(origin: str, own: str, queue: Callable[[], str], name: str) -> None:
     now = time.monotonic()
     with _reports.lock:
         _reports.count += 1
@@ -143,7 +144,7 @@ def _report(origin: str, own: str, queue: str, name: str) -> None:
         count,
         origin,
         name,
-        queue,
+        queue(),
         own,
         MAX_HOPS,
     )

@@ -93,7 +93,8 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
 
     def foreign(task: Any) -> bool:
         """Another relay's task, sent back to the queue (see celery/identity.py)."""
-        return send_back_if_foreign(task, inst.identity(), inst.queue_as_written())
+        # The queue's name only for the error line: routing it is not free.
+        return send_back_if_foreign(task, inst.identity(), inst.queue_as_written)
 
     def after_delivery(report: DeliveryReport, refs: list[LeaseRef]) -> dict[str, int] | str:
         if report.ordered_finished:
