@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import Settings
@@ -231,6 +231,9 @@ def fan_out(
             ):
                 route = sender.for_task(task, common)
                 declare_queue(producer, route.options.get("queue"), sends.declared)
+                if headers:
+                    # Once per round, not merged into each message's options.
+                    route = replace(route, options={**route.options, "headers": headers})
                 routes[task.name] = route
             for number, chunk in enumerate(chunks):
                 if number == plan.queued_at:
@@ -250,14 +253,7 @@ def fan_out(
                     args = ([[r.id, r.lease_version] for r in refs],)
                 # Both reprs given: Celery would otherwise saferepr() each
                 # task's arguments (a twentieth of a per-message fan-out).
-                sender.send(
-                    route,
-                    args,
-                    kwargs,
-                    argsrepr=argsrepr(refs),
-                    kwargsrepr=repr(kwargs),
-                    headers=headers,
-                )
+                sender.send(route, args, kwargs, argsrepr=argsrepr(refs), kwargsrepr=repr(kwargs))
     except Exception:
         # Some tasks may have reached the broker before the failure (a batch
         # flushes as it fills). Release every row anyway: a task that arrives
