@@ -268,6 +268,7 @@ class Installation:
         # celery/identity.py: read at start (check_database) or at first
         # use; "" when the table has no record to read it from.
         self._identity: str | None = None
+        self._identity_retry_at = 0.0
 
     @property
     def prefetched(self) -> int:
@@ -323,13 +324,25 @@ class Installation:
 
     def identity(self) -> str | None:
         """What tells this relay's tasks from another relay's on one queue
-        (celery/identity.py); None while it could not be read."""
+        (celery/identity.py); None while it could not be read.
+
+        A relay worker reads it at start, before its pool forks; a process
+        that did not (a worker of durable tasks only, which sends claim
+        hints) reads it once on a connection of its own, not through the
+        relay's services, which it may never need, and after a failure not
+        again for a minute (its tasks would otherwise wait on a database
+        that is away twice)."""
         if self._identity is None:
-            table = self.settings.outbox_table
+            now = time.monotonic()
+            if now < self._identity_retry_at:
+                return None
+            s = self.settings
             try:
-                found = self.services().db.run(lambda conn: store.relay_identity(conn, table=table))
+                kwargs = bounded_connection_kwargs(s.database_timeout)
+                with psycopg.connect(s.require_dsn(), autocommit=True, **kwargs) as conn:
+                    found = store.relay_identity(conn, table=s.outbox_table)
             except Exception:
-                # The database is away: the task at hand fails on it anyway.
+                self._identity_retry_at = now + 60.0
                 log.debug("could not read the relay's identity", exc_info=True)
                 return None
             self._record_identity(found)
