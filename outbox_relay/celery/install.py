@@ -113,7 +113,7 @@ def install(
     _when_configured(app, lambda: _add_route(app, inst))
     if beat:
         _when_configured(app, lambda: _add_beat_entries(app, inst))
-    _check_beat(app, inst, beat)
+        _check_beat(app, inst)
     _when_finalized(app, lambda: _lift_rate_limits(app))
     _wire_worker(app, inst, consume)
     return inst
@@ -281,7 +281,7 @@ def _add_beat_entries(app: Any, inst: Installation) -> None:
     app.conf.beat_schedule = schedule
 
 
-def _check_beat(app: Any, inst: Installation, beat: bool) -> None:
+def _check_beat(app: Any, inst: Installation) -> None:
     """Fail ``celery beat`` at start on bad settings, a bad publisher or no
     migration; say so when the relay's entries are not in its schedule."""
 
@@ -297,8 +297,7 @@ def _check_beat(app: Any, inst: Installation, beat: bool) -> None:
             # message: Python would print that to stderr, which beat logs
             # again as a WARNING line.
             raise SystemExit(1) from None
-        if beat:
-            _warn_missing_entries(app)
+        _warn_missing_entries(app)
 
     signals.beat_init.connect(on_beat_init, weak=False)
 
