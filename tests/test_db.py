@@ -206,3 +206,20 @@ def test_relay_sessions_count_live_leases_past_the_dead_entries_of_finished_ones
     # touched are reported, not asserted).
     assert relay[0] == 10 and "Bitmap" not in relay[1], relay
     print(f"pages touched: plain session {plain[2]}, relay session {relay[2]}")
+
+
+def test_relay_sessions_say_whose_they_are_in_pg_stat_activity(dsn: str) -> None:
+    """A worker's sessions had no application_name (the exporter's and the
+    CLI's do): the pool's name, with the pid, unless the DSN names one."""
+    from psycopg.conninfo import make_conninfo
+
+    for conninfo, expected in (
+        (dsn, "outbox-relay-4242"),
+        (make_conninfo(dsn, application_name="shop"), "shop"),
+    ):
+        db = PoolDatabase(conninfo, size=1, name="outbox-relay-4242", timeout=TIMEOUT)
+        try:
+            row = db.run(lambda conn: conn.execute("SHOW application_name").fetchone())
+            assert row == (expected,)
+        finally:
+            db.close()

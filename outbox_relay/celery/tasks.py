@@ -18,8 +18,13 @@ each one a way Celery loses or repeats work:
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
+import psycopg
+
+from .._redact import connect_error
 from ..model import LeaseRef
 from ..services import DeliveryReport
 from ..store.relay import Rescued
@@ -156,11 +161,15 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         not if another claim is in progress (a hint; see Claimer.run_once)."""
         if foreign(self):
             return {"claimed": 0}
-        services = inst.services()
-        if services.rescuer.due(inst.settings.rescue_interval):
-            # What it frees, this claim takes (see services/rescuer.py).
-            _report_rescued(self, services.rescuer.run_once())
-        return claim_round(int(held_back), int(min_room), bool(contend))
+        try:
+            services = inst.services()
+            if services.rescuer.due(inst.settings.rescue_interval):
+                # What it frees, this claim takes (see services/rescuer.py).
+                _report_rescued(self, services.rescuer.run_once())
+            return claim_round(int(held_back), int(min_room), bool(contend))
+        except psycopg.OperationalError as exc:
+            _database_away(inst, exc)
+            return {"claimed": 0}
 
     def claim_round(held_back: int, min_room: int, contend: bool) -> dict[str, int]:
         """One claim and its fan-out (the claim task's, and the rescue task's)."""
@@ -206,12 +215,16 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
     @app.task(name=names.RESCUE, **_TASK)  # type: ignore[untyped-decorator]
     def rescue(self: Any) -> dict[str, int]:
         """Free expired leases (lost or stuck delivery tasks), whatever the room."""
-        result = inst.services().rescuer.run_once()
-        _report_rescued(self, result)
-        # And a claim here, not only in a task of its own: the rescue task
-        # can be the only one of a tick that reaches this relay's workers
-        # (see services/rescuer.py). Not if another claim is under way.
-        claim_round(0, 0, False)
+        try:
+            result = inst.services().rescuer.run_once()
+            _report_rescued(self, result)
+            # And a claim here, not only in a task of its own: the rescue task
+            # can be the only one of a tick that reaches this relay's workers
+            # (see services/rescuer.py). Not if another claim is under way.
+            claim_round(0, 0, False)
+        except psycopg.OperationalError as exc:
+            _database_away(inst, exc)
+            return {"released": 0, "dead": 0}
         return {"released": len(result.released), "dead": len(result.dead)}
 
     @app.task(name=names.PURGE, **_TASK)  # type: ignore[untyped-decorator]
@@ -227,6 +240,31 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         "rescue": rescue,
         "purge": purge,
     }
+
+
+# While the database is away, at most one line this often per process.
+AWAY_REPORT_SECONDS = 60.0
+_away = {"last": float("-inf"), "count": 0}
+_away_lock = threading.Lock()
+
+
+def _database_away(inst: Installation, exc: psycopg.OperationalError) -> None:
+    """A claim or rescue that could not reach the database (a failover, a
+    restart, a cut link; a pool that found no connection in time): one
+    warning a minute, not an ERROR and a traceback from Celery per tick (8
+    in 20 s of an outage). The next tick tries again; nothing is lost."""
+    now = time.monotonic()
+    with _away_lock:
+        _away["count"] += 1
+        if now - _away["last"] < AWAY_REPORT_SECONDS:
+            return
+        count, _away["count"], _away["last"] = _away["count"], 0, now
+    log.warning(
+        "outbox-relay: the database is not reachable (%s): claims and rescues wait for it, "
+        "each tick tries again (%d such tick(s) since the last such line)",
+        connect_error(exc, inst.settings.dsn or ""),
+        count,
+    )
 
 
 def _one_outcome(report: DeliveryReport) -> str:
@@ -255,8 +293,9 @@ def _report_rescued(task: Any, result: Rescued) -> None:
             )
     if result.released:
         log.warning(
-            "rescued %d expired lease(s): their delivery tasks were lost or stuck; "
-            "they are due again (ids %s)",
+            "rescued %d expired lease(s): their deliveries did not finish within the lease "
+            "(a task lost, stuck or still queued behind a backlog, or a done the database "
+            "did not take in time); they are due again (ids %s)",
             len(result.released),
             _ids(result.released),
         )
