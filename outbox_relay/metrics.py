@@ -130,8 +130,9 @@ def worker_metrics(registry: CollectorRegistry | None = None) -> WorkerMetrics:
                 ),
                 lost_leases=Counter(
                     "outbox_lost_leases_total",
-                    "Messages published whose fenced finalize changed nothing: another worker "
-                    "held the row by then, so the receiver sees a duplicate.",
+                    "Messages published whose fenced finalize changed nothing (another worker "
+                    "held the row by then), or whose done could not be written before their "
+                    "lease ended (the database was away): the receiver sees a duplicate.",
                     registry=reg,
                 ),
                 stale=Counter(

@@ -249,6 +249,15 @@ class Completer:
             self._retry_at = now + RETRY_SECONDS if again else None
             self._gathered.notify()
         given_up = len(batch) - len(again)
+        kept = {d.outcome.id for d in again}
+        for d in batch:
+            if d.outcome.id not in kept:
+                # Published, and its lease ends before its done could be
+                # written: the rescuer frees it and it is delivered again.
+                # The receiver sees a duplicate; count it as one
+                # (outbox_lost_leases_total, OutboxLostLeases), as a done
+                # the fence refused is counted.
+                d.observer.lost_lease(d.claimed.ref, "done not written")
         fate = f"written again in {RETRY_SECONDS:g}s"
         if given_up:
             fate = (
