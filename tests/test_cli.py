@@ -99,6 +99,19 @@ def test_status_table_and_watch(dsn: str, conn: psycopg.Connection[Any]) -> None
     assert all(json.loads(line)["dead"] == 1 for line in lines)
 
 
+def test_status_max_age_is_a_probe(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """For an orchestrator or a cron check: status 1 (and why, on stderr)
+    once the oldest waiting message is older than --max-age; status always
+    exited 0, whatever the age."""
+    assert cli("status", "--max-age", "1", dsn=dsn).exit_code == 0  # nothing waits
+    scenario(conn)  # a message backdated three hours
+    late = cli("status", "--json", "--max-age", "3600", dsn=dsn)
+    assert late.exit_code == 1
+    assert "waited 108" in late.stderr and "more than --max-age 3600s" in late.stderr
+    assert json.loads(late.stdout)["dead"] == 1  # the status is printed all the same
+    assert cli("status", "--max-age", "86400", dsn=dsn).exit_code == 0
+
+
 def test_status_json_says_null_where_the_table_says_none(dsn: str) -> None:
     # Nothing awaits delivery: no age at all, not a message that is 0.0 s old.
     assert json.loads(ok(cli("status", "--json", dsn=dsn)))["oldest_pending_age_seconds"] is None

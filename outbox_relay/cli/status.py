@@ -29,9 +29,25 @@ __all__ = ["status_command"]
     default=None,
     help="With --watch: stop after this many refreshes.",
 )
+@click.option(
+    "--max-age",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help=(
+        "Exit with status 1 when the oldest waiting message has waited longer than "
+        "SECONDS (a probe for an orchestrator or a cron check)."
+    ),
+)
 @command_options()
 @pass_state
-def status_command(state: CliState, as_json: bool, watch: float | None, count: int | None) -> None:
+def status_command(
+    state: CliState,
+    as_json: bool,
+    watch: float | None,
+    count: int | None,
+    max_age: float | None,
+) -> None:
     """Queue depth per status, oldest waiting message, expired leases, attempts."""
     table = state.table
     title = f"outbox {table.qualified} at {mask_dsn(state.dsn)}"
@@ -52,7 +68,19 @@ def status_command(state: CliState, as_json: bool, watch: float | None, count: i
                 out.print(operations.status_table(snapshot))
             shown += 1
             if watch is None or (count is not None and shown >= count):
+                _check_age(snapshot.get("oldest_pending_age_seconds"), max_age)
                 return
             time.sleep(watch)
     except KeyboardInterrupt:
         return
+
+
+def _check_age(oldest: float | None, max_age: float | None) -> None:
+    """Status 1, and a line on stderr that says why, past ``--max-age``."""
+    if max_age is None or oldest is None or oldest <= max_age:
+        return
+    click.echo(
+        f"the oldest waiting message has waited {oldest:.1f}s, more than --max-age {max_age:g}s",
+        err=True,
+    )
+    raise SystemExit(1)
