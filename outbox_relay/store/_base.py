@@ -24,6 +24,7 @@ __all__ = [
     "queries",
     "relax_commit",
     "statement_tx",
+    "tableless",
 ]
 
 MAX_ERROR_LENGTH = 2000
@@ -31,8 +32,19 @@ TableLike = OutboxTable | str | None
 
 
 def queries(table: TableLike) -> Queries:
-    """Every named query rendered for ``table`` (cached per table)."""
+    """Every named query rendered for ``table`` (cached per table; None: the
+    table ``enqueue`` writes to, see ``OutboxTable.parse``)."""
     return queries_for(OutboxTable.parse(table))
+
+
+def tableless() -> Queries:
+    """The queries for statements that involve no table (session settings,
+    ``SELECT 1``): rendered once, without looking up the producers' table,
+    which a relay session or a durable run has no reason to read."""
+    return queries_for(_ANY_TABLE)
+
+
+_ANY_TABLE = OutboxTable()
 
 
 def statement_tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
@@ -74,15 +86,15 @@ def clip(error: str | None) -> str | None:
 
 def begin_caller_transaction(conn: psycopg.Connection[Any]) -> None:
     """Make psycopg open the caller's (not yet begun) transaction now."""
-    conn.execute(queries(None).begin_caller_transaction)
+    conn.execute(tableless().begin_caller_transaction)
 
 
 def relax_commit(conn: psycopg.Connection[Any]) -> None:
     """Let this session's commits stop waiting for the WAL flush (finalizes only)."""
-    conn.execute(queries(None).async_commit_session)
+    conn.execute(tableless().async_commit_session)
 
 
 def configure_relay_session(conn: psycopg.Connection[Any], seconds: float) -> None:
     """Bound every statement, and every client wait inside a transaction, of
     this session on the server, and turn JIT off (queries.sql ``relay_session``)."""
-    conn.execute(queries(None).relay_session, {"value": f"{int(seconds * 1000)}ms"})
+    conn.execute(tableless().relay_session, {"value": f"{int(seconds * 1000)}ms"})

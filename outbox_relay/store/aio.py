@@ -21,7 +21,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from ..table import OutboxTable
-from ._base import TableLike, queries
+from ._base import TableLike, tableless
 from ._plan import Plan, Statement
 from .producer import insert_plan, missing_table
 from .schema import migrate_plan
@@ -177,7 +177,7 @@ async def insert_messages(
     ):
         # As in the sync producer: begin the caller's transaction, so the
         # savepoint below does not become a transaction committed on its own.
-        await conn.execute(queries(None).begin_caller_transaction)
+        await conn.execute(tableless().begin_caller_transaction)
     plan = insert_plan(rows, table=table, lock_keys=lock_keys, notify=notify)
     return await _in_savepoint(conn, plan, table)
 
@@ -202,4 +202,4 @@ async def begin_sqlalchemy_transaction(connection: Any) -> None:
     that would run outside it, committed on their own. One no-op statement
     through SQLAlchemy makes it begin.
     """
-    await connection.exec_driver_sql(queries(None).begin_caller_transaction)
+    await connection.exec_driver_sql(tableless().begin_caller_transaction)

@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from ._base import queries
+from ._base import tableless
 
 __all__ = ["bound_session"]
 
@@ -14,4 +14,4 @@ __all__ = ["bound_session"]
 def bound_session(conn: psycopg.Connection[Any], seconds: float) -> None:
     """Bound this session's statements and idle transactions by ``seconds``."""
     value = f"{max(1, int(seconds * 1000))}ms"
-    conn.execute(queries(None).bound_durable_session, {"value": value})
+    conn.execute(tableless().bound_durable_session, {"value": value})

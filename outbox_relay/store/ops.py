@@ -21,7 +21,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from ..table import OutboxTable
-from ._base import MAX_ERROR_LENGTH, TableLike, queries, statement_tx
+from ._base import MAX_ERROR_LENGTH, TableLike, queries, statement_tx, tableless
 
 __all__ = [
     "STATS_KEYS",
@@ -369,7 +369,7 @@ def outbox_tables(conn: psycopg.Connection[Any]) -> list[str]:
     """``schema.name`` of every outbox table in the database (one that has its
     ``<name>_migrations`` table beside it), sorted; for a mistyped ``--table``."""
     with statement_tx(conn):
-        rows = conn.execute(queries(None).op_outbox_tables).fetchall()
+        rows = conn.execute(tableless().op_outbox_tables).fetchall()
     return [f"{schema}.{name}" for schema, name in rows]
 
 
