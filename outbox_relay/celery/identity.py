@@ -22,11 +22,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .._throttle import Throttle
 from ..table import OutboxTable
 
 __all__ = [
@@ -80,16 +79,8 @@ def origin_headers(own: str | None) -> dict[str, Any]:
     return {ORIGIN_HEADER: own} if own else {}
 
 
-class _Reports:
-    """Foreign tasks seen since the last error line, and when that was."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.last = float("-inf")
-        self.count = 0
-
-
-_reports = _Reports()
+# Foreign tasks taken: one error line a while, with the count.
+_reports = Throttle(REPORT_EVERY_SECONDS)
 
 
 def send_back_if_foreign(task: Any, own: str | None, queue: Callable[[], str]) -> bool:
@@ -129,19 +120,16 @@ def send_back_if_foreign(task: Any, own: str | None, queue: Callable[[], str]) -
 
 
 def _report(origin: str, own: str, queue: Callable[[], str], name: str) -> None:
-    now = time.monotonic()
-    with _reports.lock:
-        _reports.count += 1
-        if now - _reports.last < REPORT_EVERY_SECONDS:
-            return
-        count, _reports.count, _reports.last = _reports.count, 0, now
+    due = _reports.hit()
+    if due is None:
+        return
     log.error(
         "outbox-relay: this worker took %d task(s) of another relay (%s, the first %s) from "
         "queue %r, which this relay (%s) consumes: two relays share one queue, and each "
         "delays the other's deliveries by a lease or more. Give each relay a queue of its "
         "own (OUTBOX_QUEUE, or install(app, queue=...)), or a vhost or Redis database of its "
         "own. Such tasks are sent back to the queue, up to %d times each, and never run here",
-        count,
+        due.count,
         origin,
         name,
         queue(),

@@ -21,6 +21,7 @@ import psycopg
 from celery import bootsteps
 
 from .. import store
+from .._throttle import Throttle
 from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
@@ -56,10 +57,9 @@ class NotifyListener:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.triggered = 0
-        # Failed sends since the last one logged: a broker outage logged one
-        # traceback per committed row (a new user's walkthrough).
-        self._unsent = 0
-        self._unsent_logged_at: float | None = None
+        # Failed sends: a broker outage logged one traceback per committed
+        # row (a new user's walkthrough).
+        self._unsent = Throttle(UNSENT_LOG_SECONDS)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="outbox-listen", daemon=True)
@@ -75,20 +75,17 @@ class NotifyListener:
             self.trigger()
             self.triggered += 1
         except Exception:
-            self._unsent += 1
-            now = time.monotonic()
-            if self._unsent_logged_at is None or now - self._unsent_logged_at >= UNSENT_LOG_SECONDS:
+            due = self._unsent.hit()
+            if due is not None:
                 log.warning(
                     "could not send a claim task after NOTIFY (%d since the last such line; "
                     "beat's tick claims meanwhile)",
-                    self._unsent,
-                    exc_info=self._unsent_logged_at is None,
+                    due.count,
+                    exc_info=due.first,
                 )
-                self._unsent, self._unsent_logged_at = 0, now
             return
-        if self._unsent_logged_at is not None:
+        if self._unsent.clear():
             log.info("claim tasks after NOTIFY are sent again")
-            self._unsent, self._unsent_logged_at = 0, None
 
     def _run(self) -> None:
         backoff = 0.5

@@ -18,13 +18,12 @@ each one a way Celery loses or repeats work:
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from .._redact import connect_error
+from .._throttle import Throttle
 from ..model import LeaseRef
 from ..services import DeliveryReport
 from ..store.relay import Rescued
@@ -244,8 +243,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
 
 # While the database is away, at most one line this often per process.
 AWAY_REPORT_SECONDS = 60.0
-_away = {"last": float("-inf"), "count": 0}
-_away_lock = threading.Lock()
+_away = Throttle(AWAY_REPORT_SECONDS)
 
 
 def _database_away(inst: Installation, exc: psycopg.OperationalError) -> None:
@@ -253,17 +251,14 @@ def _database_away(inst: Installation, exc: psycopg.OperationalError) -> None:
     restart, a cut link; a pool that found no connection in time): one
     warning a minute, not an ERROR and a traceback from Celery per tick (8
     in 20 s of an outage). The next tick tries again; nothing is lost."""
-    now = time.monotonic()
-    with _away_lock:
-        _away["count"] += 1
-        if now - _away["last"] < AWAY_REPORT_SECONDS:
-            return
-        count, _away["count"], _away["last"] = _away["count"], 0, now
+    due = _away.hit()
+    if due is None:
+        return
     log.warning(
         "outbox-relay: the database is not reachable (%s): claims and rescues wait for it, "
         "each tick tries again (%d such tick(s) since the last such line)",
         connect_error(exc, inst.settings.dsn or ""),
-        count,
+        due.count,
     )
 
 
