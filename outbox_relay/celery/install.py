@@ -124,10 +124,7 @@ _RELAY_TASKS = (names.CLAIM, names.DELIVER, names.DELIVER_BATCH, names.RESCUE, n
 
 
 def _when_finalized(app: Any, fn: Any) -> None:
-    if app.finalized:
-        fn()
-    else:
-        app.on_after_finalize.connect(lambda sender=None, **kw: fn(), weak=False)
+    _when(app.finalized, app.on_after_finalize, fn)
 
 
 def _lift_rate_limits(app: Any) -> None:
@@ -154,10 +151,15 @@ def _lift_rate_limits(app: Any) -> None:
 
 
 def _when_configured(app: Any, fn: Any) -> None:
-    if app.configured:
+    _when(app.configured, app.on_after_configure, fn)
+
+
+def _when(done: bool, signal: Any, fn: Any) -> None:
+    """``fn`` now if the app already got there, else when ``signal`` fires."""
+    if done:
         fn()
     else:
-        app.on_after_configure.connect(lambda sender=None, **kw: fn(), weak=False)
+        signal.connect(lambda sender=None, **kw: fn(), weak=False)
 
 
 def _hide_secrets(app: Any) -> None:
