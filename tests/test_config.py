@@ -339,6 +339,34 @@ def test_relay_tasks_routed_to_an_undeclared_queue_name_the_fix() -> None:
         inst.relay_queue()
 
 
+def test_install_keeps_the_users_task_routes_as_written() -> None:
+    """install() turned a task_routes dict into a tuple (with its router
+    appended): ``app.conf.task_routes.update(...)`` afterwards raised
+    AttributeError. The relay's route now lives in Celery's router only,
+    after the user's routes, and survives Celery's own rebuilds of it."""
+    from celery import Celery
+
+    import outbox_relay
+
+    app = Celery("routes", broker="memory://", set_as_current=False)
+    routes = {"shop.charge": {"queue": "billing"}}
+    app.conf.task_routes = routes
+    outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    app.finalize()
+
+    def queue(name: str) -> str:
+        return str(app.amqp.router.route({}, name, (), {})["queue"].name)
+
+    assert app.conf.task_routes is routes
+    assert (queue("outbox_relay.claim"), queue("shop.charge")) == ("outbox", "billing")
+    app.conf.task_routes.update({"shop.refund": {"queue": "refunds"}})
+    # conf.update() is how Celery learns of new routes; it rebuilds its router.
+    app.conf.update(task_routes={**routes, "outbox_relay.deliver": {"queue": "relay"}})
+    assert queue("outbox_relay.claim") == "outbox"  # still the relay's route
+    assert queue("outbox_relay.deliver") == "relay"  # the user's route wins
+    assert queue("shop.charge") == "billing"
+
+
 def test_beat_says_so_when_the_relay_s_entries_were_replaced(
     dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:

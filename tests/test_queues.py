@@ -153,6 +153,12 @@ def test_worker_for_billing_only_opens_no_relay_connection(shop, shop_dsn, tmp_p
     # The banner lists the relay's tasks (registered, as Celery does for any
     # imported task); none of them may have run here.
     assert "Task outbox_relay." not in procs.procs[-1].text()
+    # But it says so: a worker started with the wrong -Q by mistake left rows
+    # waiting without a word.
+    assert (
+        "this worker does not consume the relay's queue 'outbox' (it consumes billing)"
+        in procs.procs[-1].text()
+    ), procs.logs()
 
 
 def test_worker_without_queues_consumes_default_and_outbox(shop, tmp_path):

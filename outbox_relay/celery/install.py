@@ -222,6 +222,10 @@ def _declared_queues(app: Any) -> set[str]:
 def _add_route(app: Any, inst: Installation) -> None:
     """Route relay tasks to OUTBOX_QUEUE, after the user's own ``task_routes``.
 
+    The route is added to Celery's router, not to ``app.conf.task_routes``:
+    the user's setting stays the object they wrote (a dict they may
+    ``update()`` later; it was turned into a tuple before), and it follows
+    Celery's own rebuilds of the router (``app.conf.update(task_routes=...)``).
     The queue is read when a task is routed, not now, so a bad setting
     surfaces where it can be reported (worker or beat start), never inside
     Celery's configure signal, which only logs.
@@ -232,17 +236,18 @@ def _add_route(app: Any, inst: Installation) -> None:
             return {"queue": relay_queue_entity(app, inst.settings.queue)}
         return None
 
-    routes = app.conf.task_routes
-    if routes is None:
-        combined: tuple[Any, ...] = (route,)
-    elif isinstance(routes, (list, tuple)):
-        combined = (*routes, route)
-    else:
-        combined = (routes, route)
-    app.conf.task_routes = combined
+    amqp = app.amqp
+    rebuild = amqp.flush_routes
+
+    def flush_routes() -> None:
+        rebuild()  # Celery's: the routes prepared from app.conf.task_routes
+        amqp._rtable = [*amqp._rtable, route]
+
+    # Celery calls it whenever task_routes change through conf.update().
+    amqp.flush_routes = flush_routes
+    flush_routes()
     # Celery caches its router; rebuild it from the new routes.
-    app.amqp.flush_routes()
-    app.amqp.__dict__.pop("router", None)
+    amqp.__dict__.pop("router", None)
 
 
 def _add_beat_entries(app: Any, inst: Installation) -> None:

@@ -147,7 +147,19 @@ def relays_here(worker: Any, inst: Any) -> bool:
             log.warning("outbox relay settings are invalid (%s); this worker ignores them", exc)
             return False
         raise
-    return queue in consumed
+    if queue in consumed:
+        return True
+    # A worker for the team's own queues is a normal deployment, but one
+    # started so by mistake delivered nothing and said nothing: rows waited
+    # while beat's ticks piled up in the queue.
+    log.info(
+        "outbox-relay: this worker does not consume the relay's queue %r (it consumes %s), "
+        "so it delivers no outbox messages; another worker must (-Q %s, or no -Q)",
+        queue,
+        ", ".join(sorted(consumed)) or "nothing",
+        queue,
+    )
+    return False
 
 
 class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
