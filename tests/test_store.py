@@ -282,6 +282,29 @@ def test_claim_refuses_a_lease_that_ends_at_once_and_a_negative_batch(
     assert row(conn, message_id)["attempts"] == 0
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: store.claim(c, owner="w", batch=1, lease=30),
+        lambda c: store.stats(c),
+        lambda c: store.rescue(c, max_attempts=3),
+        lambda c: store.mark_dead(c, LeaseRef(1, 1), error="x"),
+    ],
+    ids=["claim", "stats", "rescue", "mark_dead"],
+)
+def test_store_functions_name_a_dsn_given_for_a_connection(
+    dsn: str, call: Callable[[Any], Any]
+) -> None:
+    """A DSN passed where the connection belongs failed with "'str' object
+    has no attribute 'autocommit'"."""
+    with pytest.raises(
+        TypeError, match=r"take a psycopg 3 connection, not str: open one with psycopg.connect"
+    ):
+        call(dsn)
+    with pytest.raises(TypeError, match=r"not int$"):
+        call(42)
+
+
 def test_leases_and_delays_take_seconds_as_enqueue_does(conn: psycopg.Connection[Any]) -> None:
     """enqueue(delay=1.5) took seconds; claim(lease=30), extend_lease(lease=60)
     and reschedule(delay=1.5) failed in the driver (cannot cast smallint)."""

@@ -23,6 +23,7 @@ __all__ = [
     "duration",
     "queries",
     "relax_commit",
+    "require_connection",
     "statement_tx",
     "tableless",
 ]
@@ -55,9 +56,28 @@ def statement_tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
     hot path. Otherwise use a (possibly nested) transaction block, so the
     call commits, or joins the caller's transaction as a savepoint.
     """
-    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+    if (
+        require_connection(conn).autocommit
+        and conn.info.transaction_status == TransactionStatus.IDLE
+    ):
         return nullcontext()
     return conn.transaction()
+
+
+def require_connection(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """``conn``, or a TypeError that names the mistake (a DSN or a pool
+    passed where a connection belongs failed with "'str' object has no
+    attribute 'autocommit'")."""
+    if isinstance(conn, psycopg.Connection):
+        return conn
+    kind = type(conn).__name__
+    if isinstance(conn, str):
+        kind, hint = "str", ": open one with psycopg.connect(dsn)"
+    elif isinstance(conn, psycopg.AsyncConnection):
+        hint = ": the store's functions are synchronous"
+    else:
+        hint = ""
+    raise TypeError(f"outbox_relay's store functions take a psycopg 3 connection, not {kind}{hint}")
 
 
 def duration(name: str, value: timedelta | float, *, positive: bool) -> timedelta:

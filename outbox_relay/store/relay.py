@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 from ..model import Claimed, LeaseRef, Outcome
-from ._base import TableLike, clip, duration, queries, statement_tx
+from ._base import TableLike, clip, duration, queries, require_connection, statement_tx
 
 __all__ = [
     "Began",
@@ -188,7 +188,7 @@ def claim_batch(
         return ClaimBatch([], 0, batch)
     q = queries(table)
     limit = batch
-    with conn.transaction():
+    with require_connection(conn).transaction():
         # The claim commits durably (durable_commit); under the cap, in the
         # same round trip as its lock (claim_lock).
         if max_in_flight is None:
