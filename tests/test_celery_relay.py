@@ -592,6 +592,47 @@ def test_notify_wakes_an_idle_relay_without_beat(recorded_dsn, redis_broker, pro
     assert elapsed < 6.0
 
 
+def test_retries_and_delayed_messages_go_out_when_due_not_at_the_next_tick(
+    recorded_dsn, redis_broker, procs_factory
+):
+    """A retry due in half a second, and a message enqueued with a delay of
+    two, waited for beat's next tick (here a minute away; 5 s by default):
+    the docs' backoff was the tick. A claim is now sent for when they fall due."""
+    procs = procs_factory(
+        recorded_dsn,
+        redis_broker,
+        claim_interval_seconds=60,
+        backoff_base_seconds=0.25,
+        backoff_cap_seconds=0.5,
+    )
+    worker = procs.worker(concurrency=1)
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    time.sleep(0.5)  # idle: only NOTIFY and what the relay schedules can claim now
+    with psycopg.connect(recorded_dsn) as conn:
+        with conn.transaction():
+            flaky = outbox_relay.enqueue(
+                conn,
+                aggregate_type="o",
+                aggregate_id="1",
+                event_type="e",
+                payload={"fail_times": 1},
+            )
+        with conn.transaction():
+            later = outbox_relay.enqueue(
+                conn, aggregate_type="o", aggregate_id="2", event_type="e", payload={}, delay=2.0
+            )
+    wait_for(lambda: all_done(recorded_dsn, 2), timeout=20, what="both done, long before a tick")
+    flaky_row, later_row = _row(recorded_dsn, flaky), _row(recorded_dsn, later)
+    assert flaky_row["attempts"] == 2
+    # The retry waited its backoff (at most 0.5 s) and little more.
+    assert (flaky_row["done_at"] - flaky_row["created_at"]).total_seconds() < 3.0, flaky_row
+    taken = (later_row["done_at"] - later_row["created_at"]).total_seconds()
+    assert 2.0 <= taken < 4.0, later_row
+    assert [r[0] for r in published(recorded_dsn)] == [flaky, later]
+    # Deliveries still never wait in the broker: only claims were held for later.
+    assert not re.search(r"Received task: outbox_relay\.deliver\w*\[[^\]]+\]\s+ETA:", worker.text())
+
+
 @pytest.mark.parametrize(
     ("n", "settings"),
     [

@@ -410,6 +410,9 @@ def _failed(
     _hint_claim(task)
     if outcome.status == "pending":
         seconds = outcome.delay.total_seconds()
+        from .tasks import claim_when_due
+
+        claim_when_due(inst, seconds)  # the retry runs when due, not at the next tick
         log.info(
             "%s[%s]: outbox #%s rescheduled in %.1fs (attempt %s): %s",
             task.name,

@@ -52,6 +52,7 @@ from .durable import is_durable
 from .events import Observers, TaskEvents
 from .identity import identity_of
 from .options import annotations_for, retry_policy, time_limits
+from .wake import WakeSchedule
 
 __all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services", "outbox_for"]
 
@@ -269,6 +270,8 @@ class Installation:
         # use; "" when the table has no record to read it from.
         self._identity: str | None = None
         self._identity_retry_at = 0.0
+        # The claims this process sent for when waiting rows fall due.
+        self.wake = WakeSchedule()
 
     @property
     def prefetched(self) -> int:
@@ -634,6 +637,7 @@ class Installation:
         with self._lock:
             self._pid = None
             self._services = None
+        self.wake.reset()
 
     def close(self) -> None:
         with self._lock:

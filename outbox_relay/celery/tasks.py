@@ -8,7 +8,9 @@ each one a way Celery loses or repeats work:
 * Fan-out messages carry only ``(id, lease_version)`` and expire before the
   lease ends, so a backlogged task is dropped instead of publishing late.
 * No ``Task.retry``, countdown or ETA: a failure is one fenced UPDATE that
-  sets ``available_at``; the task itself returns normally.
+  sets ``available_at``; the task itself returns normally. (Claims, which
+  carry no message, may be sent with a short countdown: held back by the
+  in-flight cap, or for when a retry falls due, see wake.py.)
 * The broker message is a hint. If it is lost, the lease expires and the
   rescuer frees the row; if it arrives twice or late, the fence turns it away.
 * No explicit ``queue=``: routing (the user's ``task_routes``, then the
@@ -36,7 +38,14 @@ if TYPE_CHECKING:
     from ..config import Settings
     from .runtime import Installation
 
-__all__ = ["HELD_BACK_SECONDS", "MAX_HELD_BACK_ROUNDS", "hint_args", "hint_room", "register_tasks"]
+__all__ = [
+    "HELD_BACK_SECONDS",
+    "MAX_HELD_BACK_ROUNDS",
+    "claim_when_due",
+    "hint_args",
+    "hint_room",
+    "register_tasks",
+]
 
 log = logging.getLogger("outbox_relay.celery")
 
@@ -105,6 +114,10 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # An ordered message is done: its aggregate's next one is due now.
             # Without this an aggregate would advance one message per tick.
             send(claim)
+        if report.retried or report.released:
+            # Rows given back wait for a claim: one when they fall due.
+            waits = [o.delay.total_seconds() for o in report.outcomes if o.status == "pending"]
+            claim_when_due(inst, min(waits + [0.0] * bool(report.released)))
         if len(refs) == 1:
             # One message: what became of it, as one word. Celery reprs every
             # result for its log and events; a dict's repr cost a twentieth
@@ -196,6 +209,13 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
                 capped=result.capped,
                 headers=origin_headers(inst.identity()),
             )
+        if not (result.full or result.capped or result.busy):
+            # The last claim of a drain, or an idle one: rows that wait for
+            # their time are claimed when it comes (celery/wake.py).
+            try:
+                claim_when_due(inst, services.claimer.next_due())
+            except Exception:  # a wake-up; beat's tick is the safety net
+                log.debug("could not look up the next due row", exc_info=True)
         elif result.capped and held_back < MAX_HELD_BACK_ROUNDS:
             # Backpressure: look again once deliveries had time to finish. At
             # once, the claim would come straight back from an empty queue
@@ -294,6 +314,21 @@ def _report_rescued(task: Any, result: Rescued) -> None:
             len(result.released),
             _ids(result.released),
         )
+
+
+def claim_when_due(inst: Installation, delay: float | None) -> None:
+    """Send a claim for when a row due in ``delay`` seconds falls due, unless
+    beat's tick or a claim already sent comes in time (celery/wake.py)."""
+    if delay is None:
+        return
+    interval = inst.settings.claim_interval_seconds
+    countdown = inst.wake.take(delay, within=interval)
+    claim = inst.app.tasks.get(names.CLAIM)
+    if countdown is None or claim is None:
+        return
+    # Expires with the tick that would have claimed the row anyway.
+    headers = origin_headers(inst.identity())
+    _send(claim, countdown=countdown, expires=countdown + interval, headers=headers)
 
 
 def _send(task: Any, args: tuple[Any, ...] = (), **options: Any) -> None:

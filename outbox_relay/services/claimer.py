@@ -21,6 +21,8 @@ class ClaimResult:
     full: bool
     # The in-flight cap held the claim back: claim again once deliveries finish.
     capped: bool
+    # Another claim was in progress (``contend=False``): it takes the due rows.
+    busy: bool = False
 
 
 class Claimer:
@@ -84,4 +86,9 @@ class Claimer:
             retry=False,
         )
         full = len(batch.claimed) >= self.batch_size
-        return ClaimResult(batch.claimed, full, batch.capped)
+        return ClaimResult(batch.claimed, full, batch.capped, batch.busy)
+
+    def next_due(self) -> float | None:
+        """Seconds until the first row that waits for its time (a retry's
+        backoff, a delayed message) falls due; None when none waits."""
+        return self.db.run(lambda conn: store.next_due(conn, table=self.table))

@@ -461,6 +461,15 @@ SELECT count(*)
  WHERE status = 'processing'
    AND lease_until >= coalesce(%(now)s::timestamptz, now());
 
+-- name: next_due
+-- Seconds until the first pending row that is not due yet falls due (a
+-- retry's backoff, a delayed message), NULL when there is none: one probe of
+-- the ready index, whatever the table holds.
+SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8
+  FROM {table}
+ WHERE status = 'pending'
+   AND available_at > coalesce(%(now)s::timestamptz, now());
+
 -- name: listen
 -- {channel} is the table's notification channel (OutboxTable.channel).
 LISTEN {channel};

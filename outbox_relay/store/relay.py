@@ -31,6 +31,7 @@ __all__ = [
     "in_flight",
     "mark_dead",
     "mark_done",
+    "next_due",
     "reap",
     "reschedule",
     "rescue",
@@ -434,3 +435,12 @@ def in_flight(
     with statement_tx(conn):
         row = conn.execute(queries(table).in_flight, {"now": now}).fetchone()
     return int(row[0]) if row else 0
+
+
+def next_due(
+    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
+) -> float | None:
+    """Seconds until the first pending row that is not due yet falls due, or None."""
+    with statement_tx(conn):
+        row = conn.execute(queries(table).next_due, {"now": now}).fetchone()
+    return float(row[0]) if row and row[0] is not None else None
