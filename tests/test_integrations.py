@@ -132,3 +132,14 @@ def test_django_atomic_commit_and_rollback(dsn: str) -> None:
     assert str(found["alone"]) in found["outbox"]
     assert len(found["many"]) == 2
     assert found["in_atomic_after"] is False
+    # enqueue without using= writes where the relay reads (OUTBOX_DATABASE):
+    # rolled back with that alias's transaction.
+    assert str(found["unnamed"]) not in found["outbox"]
+    # The relay connects with the alias's libpq OPTIONS (sslmode was dropped:
+    # a silent downgrade from sslmode=require), not Django's own.
+    assert found["relay_dsn"]["sslmode"] == "prefer"
+    assert found["relay_dsn"]["application_name"] == "shop-other"
+    assert "isolation_level" not in found["relay_dsn"]
+    # install(beat=False, task_options=...) as outbox_relay.install takes them.
+    assert found["task_options"] == {"max_retries": 3}
+    assert found["beat_entries"] == []

@@ -30,9 +30,15 @@ def configure(dsn: str) -> None:
         "HOST": params.get("host", ""),
         "PORT": params.get("port", ""),
     }
-    # A second alias on the same database shows that ``using`` picks the connection.
+    # A second alias on the same database shows that ``using`` picks the
+    # connection; it holds the outbox (OUTBOX_DATABASE), and its OPTIONS mix
+    # libpq parameters with Django's own.
+    other = {
+        **database,
+        "OPTIONS": {"sslmode": "prefer", "application_name": "shop-other", "isolation_level": 1},
+    }
     settings.configure(
-        DATABASES={"default": database, "other": dict(database)},
+        DATABASES={"default": database, "other": other},
         USE_TZ=True,
         INSTALLED_APPS=[],
     )
@@ -80,6 +86,29 @@ def main(dsn: str) -> dict[str, Any]:
     with transaction.atomic(using="other"):
         many = enqueue_many([NewMessage(**event(4)), NewMessage(**event(5))], using="other")
 
+    from celery import Celery
+    from django.test import override_settings
+    from psycopg.conninfo import conninfo_to_dict
+
+    from outbox_relay.integrations.django import conf
+
+    with override_settings(OUTBOX_DATABASE="other"):
+        # 5. Without ``using``: OUTBOX_DATABASE's connection, the database the
+        # relay reads (it went to "default", in a transaction of its own, and
+        # outlived this rollback).
+        try:
+            with transaction.atomic(using="other"):
+                unnamed = enqueue(**event(6))
+                raise Boom
+        except Boom:
+            pass
+        # 6. The relay's own connections: OUTBOX_DATABASE's, with its libpq OPTIONS.
+        relay_dsn = conninfo_to_dict(conf.relay_settings()["dsn"])
+        # 7. install() takes outbox_relay.install's own keywords.
+        app = Celery("django-check", broker="memory://", set_as_current=False)
+        inst = conf.install(app, beat=False, consume=False, task_options={"max_retries": 3})
+        app.conf.timezone  # noqa: B018 (reading a setting configures the app)
+
     with connection.cursor() as cur:
         cur.execute("SELECT id FROM orders ORDER BY id")
         orders = [r[0] for r in cur.fetchall()]
@@ -95,6 +124,10 @@ def main(dsn: str) -> dict[str, Any]:
         "orders": orders,
         "outbox": outbox,
         "in_atomic_after": connection.in_atomic_block,
+        "unnamed": unnamed,
+        "relay_dsn": {k: v for k, v in relay_dsn.items() if k != "password"},
+        "task_options": inst.task_options,
+        "beat_entries": sorted(app.conf.beat_schedule or {}),
     }
 
 

@@ -31,8 +31,20 @@ from ...table import OutboxTable
 __all__ = ["enqueue", "enqueue_many", "psycopg_connection"]
 
 
-def psycopg_connection(using: str = "default") -> psycopg.Connection[Any]:
-    """The psycopg 3 connection of Django's database alias ``using`` (connected if needed)."""
+def _alias(using: str | None) -> str:
+    if using is not None:
+        return using
+    from .conf import database_alias
+
+    return database_alias()
+
+
+def psycopg_connection(using: str | None = None) -> psycopg.Connection[Any]:
+    """The psycopg 3 connection of Django's database alias ``using`` (connected if needed).
+
+    ``using`` defaults to ``OUTBOX_DATABASE`` (the database the relay reads).
+    """
+    using = _alias(using)
     wrapper = connections[using]
     if wrapper.vendor != "postgresql":
         raise TypeError(
@@ -58,14 +70,19 @@ def enqueue(
     operation_key: str | None = None,
     delay: timedelta | float | None = None,
     headers: Mapping[str, Any] | None = None,
-    using: str = "default",
+    using: str | None = None,
     table: OutboxTable | str | None = None,
     ordered: bool | None = None,
     notify: bool | None = None,
     max_payload_bytes: int | None = None,
     now: datetime | None = None,
 ) -> int:
-    """``outbox_relay.enqueue`` in the current transaction of ``using``; returns the id."""
+    """``outbox_relay.enqueue`` in the current transaction of ``using``; returns the id.
+
+    ``using`` defaults to ``OUTBOX_DATABASE``: a row written to another
+    database's outbox is never read by this project's relay.
+    """
+    using = _alias(using)
     with transaction.atomic(using=using):
         return producer.enqueue(
             psycopg_connection(using),
@@ -87,14 +104,16 @@ def enqueue(
 def enqueue_many(
     messages: Iterable[NewMessage],
     *,
-    using: str = "default",
+    using: str | None = None,
     table: OutboxTable | str | None = None,
     ordered: bool | None = None,
     notify: bool | None = None,
     max_payload_bytes: int | None = None,
     now: datetime | None = None,
 ) -> list[int]:
-    """``outbox_relay.enqueue_many`` in the current transaction of ``using``."""
+    """``outbox_relay.enqueue_many`` in the current transaction of ``using``
+    (default ``OUTBOX_DATABASE``)."""
+    using = _alias(using)
     with transaction.atomic(using=using):
         return producer.enqueue_many(
             psycopg_connection(using),

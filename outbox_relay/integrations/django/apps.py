@@ -16,6 +16,9 @@ class OutboxRelayConfig(AppConfig):  # type: ignore[misc]  # django ships no typ
         # Read OUTBOX_* now and make it this process's default outbox, so a
         # bad setting fails at start and every producer uses the same table
         # and ordering as the relay.
-        from .conf import outbox
+        from .conf import database_alias, outbox
 
         outbox().settings  # noqa: B018 - loading validates
+        # enqueue writes to OUTBOX_DATABASE: a name missing from DATABASES
+        # fails here, not only in the relay's worker.
+        database_alias()

@@ -55,10 +55,21 @@ def _from_settings() -> dict[str, Any]:
     }
 
 
+# Keys of DATABASES[...]["OPTIONS"] that Django's backend consumes itself;
+# every other one is a libpq parameter (sslmode, sslrootcert, options,
+# service, passfile, connect_timeout, application_name ...) that Django
+# passes to psycopg.connect, and so must the relay.
+_DJANGO_ONLY_OPTIONS = frozenset(
+    {"isolation_level", "server_side_binding", "pool", "assume_role", "cursor_factory", "context"}
+)
+
+
 def _dsn(alias: str) -> str:
     """A psycopg conninfo for a Django database alias (the relay's own connections)."""
     db = connections[alias].settings_dict
+    options = {k: v for k, v in (db.get("OPTIONS") or {}).items() if k not in _DJANGO_ONLY_OPTIONS}
     params = {
+        **options,
         "dbname": db.get("NAME"),
         "user": db.get("USER"),
         "password": db.get("PASSWORD"),
@@ -99,7 +110,14 @@ def outbox() -> Outbox:
         return _outbox
 
 
-def install(app: Any, **overrides: Any) -> Any:
+def install(
+    app: Any,
+    *,
+    beat: bool = True,
+    consume: bool = True,
+    task_options: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Any:
     """``outbox_relay.install(app)`` with the settings of settings.py; returns the Installation.
 
     Call it in the module that makes your Celery app (``proj/celery.py``),
@@ -121,4 +139,11 @@ def install(app: Any, **overrides: Any) -> Any:
             f"install(): set {', '.join('OUTBOX_' + k.upper() for k in producer_keys)} in "
             "settings.py instead, so that producers and the relay share them"
         )
-    return install_relay(app, outbox=outbox(), **relay_settings(**overrides))
+    return install_relay(
+        app,
+        outbox=outbox(),
+        beat=beat,
+        consume=consume,
+        task_options=task_options,
+        **relay_settings(**overrides),
+    )
