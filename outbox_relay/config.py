@@ -396,11 +396,23 @@ def _found_names(
     for key in environ:
         if key.startswith("OUTBOX_") and not key.startswith(_TOOLING_PREFIXES):
             found[key[len("OUTBOX_") :].lower()] = ENVIRONMENT
+    # An app configured with a namespace (Django's CELERY_): Celery reads
+    # CELERY_OUTBOX_LEASE_SECONDS as outbox_lease_seconds, and lists it so.
+    prefix = getattr(conf, "prefix", None)
+    written = _namespaced(prefix) if isinstance(prefix, str) and prefix else CELERY_SETTING
     for key in _conf_keys(conf):
         if key.startswith("outbox_") and _conf_get(conf, key) is not None:
             found[key[len("outbox_") :]] = CELERY_SETTING
+        elif written is not CELERY_SETTING and key.startswith(f"{prefix}OUTBOX_"):
+            name = key[len(f"{prefix}OUTBOX_") :].lower()
+            if _conf_get(conf, f"outbox_{name}") is not None:
+                found.setdefault(name, written)
     found.update(dict.fromkeys(overrides, KEYWORD))
     return found
+
+
+def _namespaced(prefix: str) -> NameSource:
+    return NameSource("Celery setting", lambda name: f"{prefix}OUTBOX_{name.upper()}")
 
 
 def refuse_bad_values(values: Mapping[str, Any], source: NameSource) -> None:

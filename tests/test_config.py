@@ -339,6 +339,29 @@ def test_relay_tasks_routed_to_an_undeclared_queue_name_the_fix() -> None:
         inst.relay_queue()
 
 
+def test_a_misspelled_setting_under_celerys_namespace_is_refused() -> None:
+    """Django's ``CELERY_OUTBOX_LEASE_SECONDS`` is read (Celery strips its
+    namespace), but ``CELERY_OUTBOX_LEAES_SECONDS`` was not refused: the
+    check looked only at lower-case ``outbox_*`` keys."""
+    from celery import Celery
+
+    import outbox_relay
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_OUTBOX_LEAES_SECONDS = 3
+
+    app = Celery("namespaced", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    inst = outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    expected = (
+        r"unknown outbox setting\(s\): Celery setting CELERY_OUTBOX_LEAES_SECONDS "
+        r"\(did you mean CELERY_OUTBOX_LEASE_SECONDS\?\)"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        inst.settings  # noqa: B018 (loading validates)
+
+
 def test_install_keeps_the_users_task_routes_as_written() -> None:
     """install() turned a task_routes dict into a tuple (with its router
     appended): ``app.conf.task_routes.update(...)`` afterwards raised

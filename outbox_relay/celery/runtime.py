@@ -28,7 +28,14 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from .. import store
 from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
-from ..config import Settings, conceal, hide_secrets, lookup_setting, producer_settings_in_conf
+from ..config import (
+    Settings,
+    conceal,
+    env_name,
+    hide_secrets,
+    lookup_setting,
+    producer_settings_in_conf,
+)
 from ..db import PoolDatabase, bounded_connection_kwargs
 from ..errors import ConfigError, OutboxError, PermanentError, RetryableError
 from ..model import Message
@@ -426,10 +433,10 @@ class Installation:
         for field, (label, value) in producer_settings_in_conf(self.app.conf).items():
             if value != getattr(outbox, field):
                 raise ConfigError(
-                    f"Celery setting {label}={value!r} is a producer setting, and the Outbox "
-                    f"given to install() has {field}={getattr(outbox, field)!r}: producers and "
-                    f"the relay follow the Outbox. Give it to Outbox({field}=...), or remove "
-                    f"{label}"
+                    f"{label}={value!r} is a producer setting, and the Outbox given to "
+                    f"install() has {field}={getattr(outbox, field)!r}: producers and the "
+                    f"relay follow the Outbox. Give it to Outbox({field}=...) (with Django: "
+                    f"{env_name(field)} in settings.py), or remove {label}"
                 )
 
     def _check_publisher(self) -> None:
