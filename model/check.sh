@@ -5,6 +5,7 @@
 #                             liveness of the model, safety of wider sizes, and
 #                             the variants that must FAIL (FREEZE_BUG, ...)
 #   model/check.sh --full     also liveness of the wider sizes (minutes)
+#   ONLY=REGEX model/check.sh  only the checks whose label matches REGEX
 #   model/check.sh run MODE [-DNAME[=VALUE] ...]
 #                             one check, pan's own output on stdout;
 #                             MODE is safety or liveness (tests/test_model.py)
@@ -89,6 +90,9 @@ failures=0
 check() {
   local expect="$1" mode="$2" label="$3"; shift 3
   local out errors states depth secs search verdict got
+  if [ -n "${ONLY:-}" ] && ! grep -qE -- "$ONLY" <<<"$label"; then
+    return 0
+  fi
   local start end
   start="$(date +%s.%N)"
   out="$(pan "$mode" "$@" 2>&1)" || true
