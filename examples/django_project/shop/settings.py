@@ -17,6 +17,9 @@ SECRET_KEY = os.environ.get("SHOP_SECRET_KEY", "example-only-not-secret")
 DEBUG = True
 ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
 USE_TZ = True
+# Django's default is America/Chicago, and Django sets the process's TZ
+# from it: the worker's and beat's log times would be Chicago's too.
+TIME_ZONE = "UTC"
 ROOT_URLCONF = "shop.urls"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "static/"
