@@ -399,20 +399,21 @@ def _found_names(
     # An app configured with a namespace (Django's CELERY_): Celery reads
     # CELERY_OUTBOX_LEASE_SECONDS as outbox_lease_seconds, and lists it so.
     prefix = getattr(conf, "prefix", None)
-    written = _namespaced(prefix) if isinstance(prefix, str) and prefix else CELERY_SETTING
+    namespaced = f"{prefix}OUTBOX_" if isinstance(prefix, str) and prefix else None
     for key in _conf_keys(conf):
         if key.startswith("outbox_") and _conf_get(conf, key) is not None:
             found[key[len("outbox_") :]] = CELERY_SETTING
-        elif written is not CELERY_SETTING and key.startswith(f"{prefix}OUTBOX_"):
-            name = key[len(f"{prefix}OUTBOX_") :].lower()
+        elif namespaced and key.startswith(namespaced):
+            name = key[len(namespaced) :].lower()
             if _conf_get(conf, f"outbox_{name}") is not None:
-                found.setdefault(name, written)
+                found.setdefault(name, _namespaced(namespaced))
     found.update(dict.fromkeys(overrides, KEYWORD))
     return found
 
 
-def _namespaced(prefix: str) -> NameSource:
-    return NameSource("Celery setting", lambda name: f"{prefix}OUTBOX_{name.upper()}")
+def _namespaced(written: str) -> NameSource:
+    """Names as written under Celery's namespace (``CELERY_OUTBOX_``)."""
+    return NameSource("Celery setting", lambda name: f"{written}{name.upper()}")
 
 
 def refuse_bad_values(values: Mapping[str, Any], source: NameSource) -> None:

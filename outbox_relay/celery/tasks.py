@@ -115,9 +115,11 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # Without this an aggregate would advance one message per tick.
             send(claim)
         if report.retried or report.released:
-            # Rows given back wait for a claim: one when they fall due.
+            # Rows given back wait for a claim: one when the first falls due.
             waits = [o.delay.total_seconds() for o in report.outcomes if o.status == "pending"]
-            claim_when_due(inst, min(waits + [0.0] * bool(report.released)))
+            if report.released:
+                waits.append(0.0)  # given back unpublished: due now
+            claim_when_due(inst, min(waits, default=None))
         if len(refs) == 1:
             # One message: what became of it, as one word. Celery reprs every
             # result for its log and events; a dict's repr cost a twentieth
