@@ -103,3 +103,36 @@ def test_a_role_without_the_relays_grants_is_told_which_to_run(dsn: str) -> None
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
             admin.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+def test_an_operators_role_is_refused_at_start_not_at_every_claim(dsn: str) -> None:
+    """An operator's grants read the table and its migrations, so the check
+    passed, and every claim then failed with "permission denied for table
+    outbox" (InsufficientPrivilege, every 5 s, no hint)."""
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from outbox_relay import operations
+
+    role = f"outbox_operator_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute(operations.grants(role, "operator"))
+    try:
+        inst = _installation(make_conninfo(dsn, user=role))
+        with pytest.raises(ConfigError) as refused:
+            inst.check_database()
+        message = str(refused.value)
+        assert f"role '{role}' lacks UPDATE (" in message
+        assert "UPDATE (lease_owner)" in message and "UPDATE (lease_until)" in message
+        assert "UPDATE (status)" not in message  # an operator moves dead rows back
+        assert "SELECT" in message  # an operator never reads the payload
+        assert f"`outbox-relay grant --role {role} --kind relay`" in message
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(operations.grants(role, "relay"))
+        inst.check_database()  # the grants it named are enough
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))

@@ -489,6 +489,7 @@ class Installation:
                             # Before the pool forks: every process has it.
                             self._record_identity(store.relay_identity(conn, table=table))
                         inserts = not (durable and exists) or store.may_insert(conn, table=table)
+                        lacks = store.relay_lacks(conn, table=table) if exists else []
                     break
                 except psycopg.OperationalError as exc:
                     # After a connect, an OperationalError is a lost session,
@@ -530,6 +531,13 @@ class Installation:
             raise ConfigError(
                 f"the outbox table {table.qualified} lacks migration(s) "
                 f"{', '.join(map(str, missing))}: run `{table.migrate_command}` first"
+            )
+        if lacks:
+            raise ConfigError(
+                f"the relay's role {role!r} lacks {', '.join(lacks)} on the outbox table "
+                f"{table.qualified} (every claim would fail with 'permission denied'): print "
+                f"its grants with `{table.grant_command(role, 'relay')}` and run them as the "
+                "table's owner"
             )
         if not inserts:
             log.warning(

@@ -312,7 +312,10 @@ def _report_rescued(task: Any, result: Rescued) -> None:
         log.warning(
             "rescued %d expired lease(s): their deliveries did not finish within the lease "
             "(a task lost, stuck or still queued behind a backlog, or a done the database "
-            "did not take in time); they are due again (ids %s)",
+            "did not take in time); they are due again (ids %s). If this repeats while "
+            "workers are busy, they are handed more rows than they deliver before a delivery "
+            "task expires (OUTBOX_LEASE_SECONDS less a delivery's worst case): lower "
+            "OUTBOX_MAX_IN_FLIGHT, or lengthen OUTBOX_LEASE_SECONDS",
             len(result.released),
             _ids(result.released),
         )

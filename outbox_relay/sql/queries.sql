@@ -483,6 +483,20 @@ SELECT to_regclass(format('%%I.%%I', %(schema)s::text, %(name)s::text)) IS NOT N
 -- tasks writes a chain's next step (the relay's own grant has no INSERT).
 SELECT has_table_privilege(format('%%I.%%I', %(schema)s::text, %(name)s::text), 'INSERT');
 
+-- name: relay_lacks
+-- What this session's role lacks of what the relay's claims and finalizes
+-- do (op_grant_relay's SELECT and UPDATE columns): an operator's role, or
+-- grants saved from an earlier release, started and then failed every claim
+-- with "permission denied". DELETE is purge's alone and not checked here.
+SELECT 'UPDATE (' || c || ')'
+  FROM unnest(ARRAY['status', 'available_at', 'waiting_since', 'attempts', 'lease_owner',
+                    'lease_until', 'lease_version', 'last_error', 'done_at',
+                    'began_version']) AS c
+ WHERE NOT has_column_privilege(format('%%I.%%I', %(schema)s::text, %(name)s::text), c, 'UPDATE')
+UNION ALL
+SELECT 'SELECT'
+ WHERE NOT has_table_privilege(format('%%I.%%I', %(schema)s::text, %(name)s::text), 'SELECT');
+
 -- name: relay_identity
 -- What tells this relay's Celery tasks from another relay's on one broker
 -- queue (celery/identity.py): the database, and when this table's first

@@ -44,6 +44,7 @@ from .schema import (
     migrate,
     missing_migrations,
     relay_identity,
+    relay_lacks,
     table_exists,
 )
 
@@ -73,6 +74,7 @@ __all__ = [
     "purge",
     "reap",
     "relay_identity",
+    "relay_lacks",
     "reschedule",
     "rescue",
     "statement_tx",

@@ -21,6 +21,7 @@ __all__ = [
     "migrate_plan",
     "missing_migrations",
     "relay_identity",
+    "relay_lacks",
     "table_exists",
 ]
 
@@ -133,6 +134,16 @@ def may_insert(conn: psycopg.Connection[Any], *, table: TableLike = None) -> boo
     with statement_tx(conn):
         row = conn.execute(queries_for(outbox).may_insert, params).fetchone()
     return bool(row and row[0])
+
+
+def relay_lacks(conn: psycopg.Connection[Any], *, table: TableLike = None) -> list[str]:
+    """The privileges on ``table`` (which must exist) that the relay's claims
+    and finalizes need and this session's role lacks, as GRANT names them."""
+    outbox = OutboxTable.parse(table)
+    params = {"schema": outbox.schema, "name": outbox.name}
+    with statement_tx(conn):
+        rows = conn.execute(queries_for(outbox).relay_lacks, params).fetchall()
+    return [str(r[0]) for r in rows]
 
 
 def relay_identity(
