@@ -44,6 +44,7 @@ __all__ = [
     "ENVIRONMENT",
     "KEYWORD",
     "PUBLISHER_OPTION_PREFIXES",
+    "REDIS_VISIBILITY_SECONDS",
     "NameSource",
     "ProducerSettings",
     "Secret",
@@ -616,6 +617,9 @@ class ProducerSettings(_Loadable):
 # The share of the lease a delivery's worst case should use at most, in the
 # advice a lease that is too short gets (see Settings._lease_too_short).
 _WORST_SHARE = 0.8
+# Kombu's default visibility timeout on Redis (and SQS): a lease must be
+# shorter (Installation's time-limit check), so the advice says so past it.
+REDIS_VISIBILITY_SECONDS = 3600
 
 
 @dataclass(frozen=True)
@@ -719,7 +723,9 @@ class Settings(ProducerSettings):
         if self.chunk_size > self.batch_size:
             raise ConfigError(
                 f"OUTBOX_CHUNK_SIZE ({self.chunk_size}) must not exceed "
-                f"OUTBOX_BATCH_SIZE ({self.batch_size})"
+                f"OUTBOX_BATCH_SIZE ({self.batch_size}): a chunk is cut from one claim's "
+                f"batch. Set OUTBOX_BATCH_SIZE={self.chunk_size} or more, or "
+                f"OUTBOX_CHUNK_SIZE={self.batch_size} or less"
             )
         if self.database_timeout >= self.lease_seconds:
             raise ConfigError(
@@ -753,7 +759,14 @@ class Settings(ProducerSettings):
         # for the time a delivery task waits in the queue (a task that starts
         # with less lease left than its worst case gives its rows back).
         room = lease * _WORST_SHARE
-        fixes = [f"OUTBOX_LEASE_SECONDS={math.ceil(worst / _WORST_SHARE - 1e-9)}"]
+        longer = math.ceil(worst / _WORST_SHARE - 1e-9)
+        fixes = [f"OUTBOX_LEASE_SECONDS={longer}"]
+        if longer >= REDIS_VISIBILITY_SECONDS:
+            # The worker refuses a lease past Redis's visibility timeout.
+            fixes[0] += (
+                " (with Redis as the broker, also broker_transport_options "
+                f"visibility_timeout above it; its default is {REDIS_VISIBILITY_SECONDS}s)"
+            )
         fitting_waves = int(room // timeout)
         if self.chunk_size > 1 and fitting_waves >= 1:
             fixes.append(f"OUTBOX_CHUNK_SIZE={fitting_waves * self.publish_concurrency}")

@@ -137,6 +137,27 @@ def test_a_chunk_that_does_not_fit_its_lease_says_what_to_change() -> None:
     }
 
 
+def test_a_suggested_lease_past_redis_visibility_timeout_says_so() -> None:
+    """OUTBOX_LEASE_SECONDS=6250 was offered; the worker then refused it
+    (Redis's visibility timeout, 3600 s by default, must be longer)."""
+    with pytest.raises(ConfigError) as caught:
+        Settings(chunk_size=500, batch_size=500, publish_concurrency=1)
+    text = str(caught.value)
+    assert _suggested(text)["OUTBOX_LEASE_SECONDS"] == "6250"
+    assert "also broker_transport_options visibility_timeout above it" in text
+
+
+def test_a_chunk_larger_than_the_batch_says_what_to_set() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings(chunk_size=500, batch_size=200)
+    assert _suggested(str(caught.value)) == {
+        "OUTBOX_BATCH_SIZE": "500",
+        "OUTBOX_CHUNK_SIZE": "200",
+    }
+    Settings(chunk_size=500, batch_size=500)  # as the first fix says
+    Settings(chunk_size=200, batch_size=200)  # as the second says
+
+
 @pytest.mark.parametrize(
     "settings",
     [

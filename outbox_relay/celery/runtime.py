@@ -29,6 +29,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from .. import store
 from .._redact import MASK, connect_error, mask_dsn, mask_spec, scrub
 from ..config import (
+    REDIS_VISIBILITY_SECONDS,
     Settings,
     conceal,
     env_name,
@@ -414,7 +415,7 @@ class Installation:
         visibility = transport.get("visibility_timeout")
         broker = str(self.app.conf.get("broker_url") or "")
         if broker.startswith(("redis", "rediss", "sqs")):
-            visibility = 3600 if visibility is None else visibility
+            visibility = REDIS_VISIBILITY_SECONDS if visibility is None else visibility
         if visibility is not None and not float(visibility) > lease:
             raise ConfigError(
                 f"broker_transport_options['visibility_timeout'] ({visibility}s) must be "
