@@ -63,6 +63,21 @@ def test_a_chunk_is_small_enough_for_every_pool_process_to_hold_one() -> None:
     assert chunk_size_for(1, 1000, 4) == 1
 
 
+def test_a_worker_says_when_it_cuts_the_chunks() -> None:
+    """Tasks of 300 and 200 rows under OUTBOX_CHUNK_SIZE=500 came with no word
+    why; the worker now says so at start (one INFO line)."""
+    from outbox_relay import Settings
+    from outbox_relay.celery.listener import chunk_cut
+
+    cut = Settings(chunk_size=500, batch_size=500, max_in_flight=600)
+    assert chunk_cut(cut, 2) == (
+        "delivery tasks carry at most 300 rows here, not OUTBOX_CHUNK_SIZE 500: "
+        "OUTBOX_MAX_IN_FLIGHT 600 shared by 2 pool processes (raise it to keep whole chunks)"
+    )
+    assert chunk_cut(cut, 1) is None  # one process holds a whole chunk
+    assert chunk_cut(Settings(chunk_size=200), 4) is None  # the defaults' cap fits
+
+
 def test_the_claim_task_sends_a_chunk_for_every_pool_process(dsn: str) -> None:
     """The claim task's own body, on a real broker: how many delivery tasks,
     of how many rows, it sends for a backlog of 1,000 in chunks of 500."""
