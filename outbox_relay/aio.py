@@ -40,7 +40,8 @@ __all__ = ["AsyncOutbox", "apply_async", "enqueue", "enqueue_many", "migrate"]
 async def _driver(conn: Any) -> AsyncConn:
     """The driver's connection of a SQLAlchemy ``AsyncSession`` or
     ``AsyncConnection``, in its (begun) transaction; any other ``conn`` as it is."""
-    if type(conn).__module__.startswith("sqlalchemy."):
+    # A subclass of AsyncSession defined in the application counts too.
+    if any(c.__module__.startswith("sqlalchemy.") for c in type(conn).__mro__):
         from .integrations.sqlalchemy_asyncio import driver_connection
 
         return await driver_connection(conn)

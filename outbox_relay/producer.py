@@ -22,7 +22,7 @@ from . import tracing
 from ._defaults import producer_settings
 from .config import ProducerSettings
 from .errors import InvalidMessage
-from .store._base import begin_caller_transaction
+from .store._base import begin_caller_transaction, failed_transaction
 from .store.producer import insert_messages
 from .table import OutboxTable
 
@@ -137,6 +137,12 @@ def _params(
     headers = dict(msg.headers or {})
     if not all(isinstance(k, str) for k in headers):
         raise InvalidMessage("headers must have string names")
+    # W3C trace headers under their lower-case names, as propagators read them
+    # (and as the operation-key digest leaves them out): "Traceparent" was kept
+    # as written, compared as content, and ignored by the relay's extract.
+    headers = {
+        (k.lower() if k.lower() in tracing.TRACE_HEADERS else k): v for k, v in headers.items()
+    }
     present = {k.lower() for k in headers}
     if trace and "traceparent" not in present:
         # A traceparent the caller passed wins (with its tracestate); other
@@ -145,6 +151,12 @@ def _params(
     key = msg.operation_key
     if key is not None and (not isinstance(key, str) or not key):
         raise InvalidMessage("operation_key must be a non-empty string or None")
+    if key is not None:
+        if "\x00" in key:
+            raise InvalidMessage(
+                "operation_key holds a NUL character; PostgreSQL text cannot store it"
+            )
+        _utf8(key, "operation_key")
     return {
         "aggregate_type": _text("aggregate_type", msg.aggregate_type),
         "aggregate_id": _text("aggregate_id", msg.aggregate_id),
@@ -296,12 +308,7 @@ def enqueue_many(
         return []
     status = conn.info.transaction_status
     if status == TransactionStatus.INERROR:
-        # psycopg would refuse the savepoint too, and log a second error on
-        # the way out ("savepoint does not exist") that hid the first.
-        raise psycopg.errors.InFailedSqlTransaction(
-            "the connection's transaction has already failed (a statement before this "
-            "enqueue raised): nothing was written; roll the transaction back first"
-        )
+        raise failed_transaction()
     if not conn.autocommit and status == TransactionStatus.IDLE:
         # The caller's transaction has not begun yet (psycopg begins it with
         # the first statement). Begin it now: on an idle connection

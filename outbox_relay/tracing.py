@@ -84,7 +84,13 @@ class PublishSpan:
 
     def __init__(self, owner: PublishTracer, message: Message) -> None:
         trace, propagate, context = owner.api
-        parent = propagate.extract(message.headers or {})
+        # Propagators look names up as written (lower case); rows written
+        # before names were normalised may hold "Traceparent".
+        written = {
+            (k.lower() if k.lower() in TRACE_HEADERS else k): v
+            for k, v in (message.headers or {}).items()
+        }
+        parent = propagate.extract(written)
         self._span = owner.tracer.start_span(
             f"outbox publish {message.event_type}",
             context=parent,

@@ -230,6 +230,10 @@ def test_refused_message_writes_nothing_and_leaves_the_transaction_usable(
         await p.insert_order(9)
         with pytest.raises(InvalidMessage, match="payload must be JSON-serializable"):
             await p.enqueue(**event(9, payload={"x": float("nan")}))
+        with pytest.raises(InvalidMessage, match="operation_key holds a NUL character"):
+            await p.enqueue(**event(9, operation_key="k\x00"))
+        with pytest.raises(InvalidMessage, match="operation_key"):
+            await p.enqueue(**event(9, operation_key="k\udcff"))
         with pytest.raises(InvalidMessage, match="aggregate_type must not be empty"):
             await p.enqueue_many(
                 [NewMessage(**event(10)), NewMessage(**event(11, aggregate_type=""))]
@@ -467,3 +471,62 @@ def test_aio_takes_a_sqlalchemy_async_session(dialect: str, dsn: str) -> None:
         ).fetchall()
     assert [(r[1], r[2]) for r in rows] == [("celery.apply_async", kept.parent.id), ("e", "1")]
     assert rows[1][0] == kept_id
+
+
+class AppSession(AsyncSession):
+    """An application's own session class (defined outside SQLAlchemy)."""
+
+
+@pytest.mark.parametrize("dialect", ["psycopg", "asyncpg"])
+def test_aio_takes_an_applications_subclass_of_async_session(dialect: str, dsn: str) -> None:
+    """It was recognised by its class's module: TypeError "needs a
+    psycopg.AsyncConnection or an asyncpg connection, got AppSession"."""
+
+    async def creator() -> Any:
+        if dialect == "psycopg":
+            return await psycopg.AsyncConnection.connect(dsn)
+        return await asyncpg.connect(**asyncpg_kwargs(dsn))
+
+    async def main() -> int:
+        engine = create_async_engine(f"postgresql+{dialect}://", async_creator=creator)
+        try:
+            async with AppSession(engine) as session, session.begin():
+                return await aio.enqueue(session, **event(1))
+        finally:
+            await engine.dispose()
+
+    message_id = asyncio.run(main())
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT id FROM outbox").fetchall() == [(message_id,)]
+
+
+def test_an_asyncpg_pool_is_named_with_what_to_pass_instead(dsn: str) -> None:
+    """It failed with "AttributeError: 'Pool' object has no attribute 'transaction'"."""
+
+    async def main() -> None:
+        pool = await asyncpg.create_pool(**asyncpg_kwargs(dsn), min_size=1, max_size=1)
+        try:
+            with pytest.raises(TypeError, match=r"got an asyncpg Pool: .*pool\.acquire\(\)"):
+                await aio.enqueue(pool, **event(1))
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_async_transaction_says_so_as_the_sync_producer_does(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg logged "savepoint does not exist" and raised its own
+    InFailedSqlTransaction, hiding the statement that failed first."""
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                await conn.execute("SELECT 1 / 0")
+            with pytest.raises(psycopg.errors.InFailedSqlTransaction, match="already failed"):
+                await aio.enqueue(conn, **event(1))
+            await conn.rollback()
+
+    asyncio.run(main())
+    assert "savepoint" not in caplog.text

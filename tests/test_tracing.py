@@ -121,6 +121,30 @@ def test_a_traceparent_given_by_the_caller_wins(conn: psycopg.Connection[Any]) -
     assert stored["traceparent"].split("-")[2] == hex_ids(span)[1]  # type: ignore[arg-type]
 
 
+def test_a_trace_header_written_in_another_case_is_the_same_header(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """ "TraceParent" was stored as written: the relay's propagator, which
+    reads names as written, missed it (the publish span started a trace of
+    its own and the caller's trace was lost), and the operation-key check
+    compared it as content (the same operation under another trace was a
+    conflict)."""
+    first_trace = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+    message_id = order(conn, operation_key="op-case", headers={"TraceParent": first_trace})
+    assert headers_of(conn, message_id) == {"traceparent": first_trace}
+    other_trace = "00-" + "3" * 32 + "-" + "4" * 16 + "-01"
+    again = order(conn, operation_key="op-case", headers={"Traceparent": other_trace})
+    assert again == message_id
+    # A row stored before names were normalised: the relay reads it too.
+    conn.execute(
+        "UPDATE outbox SET headers = jsonb_build_object('Traceparent', %s::text) WHERE id = %s",
+        (first_trace, message_id),
+    )
+    deliver(conn, lambda message: None)
+    [span] = publish_spans(message_id)
+    assert span.parent is not None and span.context.trace_id == int("1" * 32, 16)
+
+
 # The same scenario in a fresh interpreter in which opentelemetry cannot be
 # imported (as if the extra were not installed): the row gets only the
 # caller's headers, the publisher gets them unchanged, and no opentelemetry

@@ -21,6 +21,7 @@ __all__ = [
     "clip",
     "configure_relay_session",
     "duration",
+    "failed_transaction",
     "queries",
     "relax_commit",
     "require_connection",
@@ -62,6 +63,17 @@ def statement_tx(conn: psycopg.Connection[Any]) -> AbstractContextManager[Any]:
     ):
         return nullcontext()
     return conn.transaction()
+
+
+def failed_transaction() -> psycopg.errors.InFailedSqlTransaction:
+    """The error for an enqueue into a transaction that has already failed.
+
+    psycopg would refuse the savepoint too, and log a second error on the way
+    out ("savepoint does not exist") that hid the first."""
+    return psycopg.errors.InFailedSqlTransaction(
+        "the connection's transaction has already failed (a statement before this "
+        "enqueue raised): nothing was written; roll the transaction back first"
+    )
 
 
 def require_connection(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:

@@ -21,7 +21,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from ..table import OutboxTable
-from ._base import TableLike, tableless
+from ._base import TableLike, failed_transaction, tableless
 from ._plan import Plan, Statement
 from .producer import insert_plan, missing_table
 from .schema import migrate_plan
@@ -123,6 +123,12 @@ async def _run_asyncpg(conn: Any, plan: Plan[T]) -> T:
 
 
 def _check(conn: Any) -> None:
+    name = type(conn).__name__
+    if is_asyncpg(conn) and name in ("Pool", "PoolAcquireContext"):
+        raise TypeError(
+            f"outbox_relay.aio needs one asyncpg connection, got an asyncpg {name}: "
+            "`async with pool.acquire() as conn, conn.transaction():` and pass conn"
+        )
     if not (isinstance(conn, psycopg.AsyncConnection) or is_asyncpg(conn)):
         raise TypeError(
             "outbox_relay.aio needs a psycopg.AsyncConnection or an asyncpg connection, "
@@ -170,6 +176,11 @@ async def insert_messages(
 ) -> list[int]:
     """``store.producer.insert_messages`` on an asyncio connection."""
     _check(conn)
+    if (
+        isinstance(conn, psycopg.AsyncConnection)
+        and conn.info.transaction_status == TransactionStatus.INERROR
+    ):
+        raise failed_transaction()  # as the sync producer says it
     if (
         isinstance(conn, psycopg.AsyncConnection)
         and not conn.autocommit
