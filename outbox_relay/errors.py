@@ -45,10 +45,17 @@ class InvalidMessage(OutboxError, ValueError):
 class OperationKeyConflict(OutboxError):
     """The operation key already names a different message."""
 
-    def __init__(self, operation_key: str, existing_id: int) -> None:
+    def __init__(self, operation_key: str, existing_id: int, *, same_batch: bool = False) -> None:
+        # same_batch: two messages of one enqueue_many; the id named would be
+        # rolled back with the rest (nothing is written), so none is named.
+        where = (
+            "is given twice in this enqueue_many"
+            if same_batch
+            else f"is already used by outbox message {existing_id}"
+        )
         super().__init__(
-            f"operation_key {operation_key!r} is already used by outbox message {existing_id} "
-            "with different content; an operation key must name one business action"
+            f"operation_key {operation_key!r} {where} with different content; an operation "
+            "key must name one business action"
         )
         self.operation_key = operation_key
         self.existing_id = existing_id

@@ -265,6 +265,29 @@ def test_operation_key_conflict_in_a_batch_rolls_back_the_whole_batch_only(dsn: 
     assert after[:-1] == before
 
 
+def test_one_operation_key_twice_in_a_batch_is_named_as_such(conn: psycopg.Connection[Any]) -> None:
+    """The error named "outbox message 36", a row of the batch that the
+    error itself rolled back: it never existed."""
+    before = rows(conn)
+    with pytest.raises(OperationKeyConflict) as info:
+        enqueue_many(
+            conn,
+            [
+                NewMessage("order", "1", "order.created", {"total": 1}, "op-twice"),
+                NewMessage("order", "1", "order.created", {"total": 2}, "op-twice"),
+            ],
+        )
+    assert "'op-twice' is given twice in this enqueue_many with different content" in str(
+        info.value
+    )
+    assert "outbox message" not in str(info.value)
+    assert rows(conn) == before
+    # The same content twice is one operation: one row, its id twice.
+    same = NewMessage("order", "1", "order.created", {"total": 1}, "op-twice")
+    first, again = enqueue_many(conn, [same, same])
+    assert first == again
+
+
 def test_concurrent_producers_of_one_operation_key_get_one_row(dsn: str) -> None:
     with (
         psycopg.connect(dsn) as first,

@@ -89,7 +89,8 @@ def insert_plan(
             if existing is None:  # pragma: no cover - as above
                 raise OperationKeyConflict(params["operation_key"], -1)
         if not existing[1]:
-            raise OperationKeyConflict(params["operation_key"], int(existing[0]))
+            first = int(existing[0])
+            raise OperationKeyConflict(params["operation_key"], first, same_batch=first in ids)
         ids.append(int(existing[0]))
     if notify:
         yield Statement(q.notify, {"channel": table.channel})
