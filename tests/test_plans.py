@@ -6,7 +6,8 @@ These tests read ``EXPLAIN (FORMAT JSON)`` of the exact SQL the store runs
 a plan walks the table or the wrong index:
 
 * claim walks ``outbox_ready`` for due pending rows and counts live leases
-  through ``outbox_leased``; the rescuer walks ``outbox_leased`` for expired
+  through ``outbox_leased``; the look-up of the next row not due yet
+  probes ``outbox_ready`` too; the rescuer walks ``outbox_leased`` for expired
   leases; neither ever walks past the million finished rows;
 * the fenced statements (finalize, lease renewal, the fence check before a
   publish) probe the primary key, never a partial index: see the comment on
@@ -279,6 +280,12 @@ def test_rescue_walks_the_leased_index(big: psycopg.Connection[Any]) -> None:
 def test_in_flight_count_walks_the_leased_index(big: psycopg.Connection[Any]) -> None:
     plan = explain(big, Q.in_flight, {"now": None})
     assert {index for _, index in outbox_scans(plan)} == {"outbox_leased"}, describe(plan)
+
+
+def test_next_due_probes_the_ready_index(big: psycopg.Connection[Any]) -> None:
+    """The look-up after a claim that was not full (celery/wake.py)."""
+    plan = explain(big, Q.next_due, {"now": None})
+    assert {index for _, index in outbox_scans(plan)} == {"outbox_ready"}, describe(plan)
 
 
 @pytest.mark.parametrize("batch", [1, 50])
