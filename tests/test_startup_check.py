@@ -9,13 +9,17 @@ there, and the check must retry and pass.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
 from celery import Celery
+from psycopg.conninfo import make_conninfo
 
 import outbox_relay
 from outbox_relay.celery.runtime import Installation
@@ -75,19 +79,39 @@ def test_a_missing_database_still_fails_at_once(dsn: str) -> None:
     assert time.monotonic() - started < 10
 
 
-def test_a_role_without_the_relays_grants_is_told_which_to_run(dsn: str) -> None:
-    """Connected, but refused the table: the error names the grant command,
-    not "cannot connect" (which sent a new user to the DSN)."""
+@contextlib.contextmanager
+def login_role(dsn: str, prefix: str, kind: Any) -> Iterator[str]:
+    """A role of its own that may log in, with ``kind``'s grants (or none);
+    dropped with whatever it owns afterwards."""
     from psycopg import sql
-    from psycopg.conninfo import make_conninfo
 
     from outbox_relay import operations
 
-    role = f"outbox_nogrant_{uuid.uuid4().hex[:8]}"
+    role = f"{prefix}_{uuid.uuid4().hex[:8]}"
     ident = sql.Identifier(role)
     with psycopg.connect(dsn, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        if kind is not None:
+            admin.execute(operations.grants(role, kind))
     try:
+        yield role
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+def grant_relay(dsn: str, role: str) -> None:
+    from outbox_relay import operations
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(operations.grants(role, "relay"))
+
+
+def test_a_role_without_the_relays_grants_is_told_which_to_run(dsn: str) -> None:
+    """Connected, but refused the table: the error names the grant command,
+    not "cannot connect" (which sent a new user to the DSN)."""
+    with login_role(dsn, "outbox_nogrant", None) as role:
         inst = _installation(make_conninfo(dsn, user=role))
         with pytest.raises(ConfigError) as refused:
             inst.check_database()
@@ -96,30 +120,15 @@ def test_a_role_without_the_relays_grants_is_told_which_to_run(dsn: str) -> None
         assert f"role '{role}' may not use the outbox table public.outbox" in message
         assert "permission denied" in message
         assert f"`outbox-relay grant --role {role} --kind relay`" in message
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(operations.grants(role, "relay"))
+        grant_relay(dsn, role)
         inst.check_database()  # the grants it named are enough
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
-            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
 
 
 def test_an_operators_role_is_refused_at_start_not_at_every_claim(dsn: str) -> None:
     """An operator's grants read the table and its migrations, so the check
     passed, and every claim then failed with "permission denied for table
     outbox" (InsufficientPrivilege, every 5 s, no hint)."""
-    from psycopg import sql
-    from psycopg.conninfo import make_conninfo
-
-    from outbox_relay import operations
-
-    role = f"outbox_operator_{uuid.uuid4().hex[:8]}"
-    ident = sql.Identifier(role)
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
-        admin.execute(operations.grants(role, "operator"))
-    try:
+    with login_role(dsn, "outbox_operator", "operator") as role:
         inst = _installation(make_conninfo(dsn, user=role))
         with pytest.raises(ConfigError) as refused:
             inst.check_database()
@@ -129,10 +138,5 @@ def test_an_operators_role_is_refused_at_start_not_at_every_claim(dsn: str) -> N
         assert "UPDATE (status)" not in message  # an operator moves dead rows back
         assert "SELECT" in message  # an operator never reads the payload
         assert f"`outbox-relay grant --role {role} --kind relay`" in message
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(operations.grants(role, "relay"))
+        grant_relay(dsn, role)
         inst.check_database()  # the grants it named are enough
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
-            admin.execute(sql.SQL("DROP ROLE {}").format(ident))
