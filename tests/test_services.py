@@ -28,6 +28,7 @@ from outbox_relay import (
     RetryableError,
     RetryPolicy,
     classify,
+    enqueue,
     enqueue_many,
     store,
 )
@@ -403,6 +404,27 @@ def test_the_plain_loop_starts_with_the_defaults(conn: psycopg.Connection[Any]) 
         rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
     )
     assert loop.chunk_size == 40  # 5 waves of 8 x 10 s = 50 s < 60 s
+
+
+def test_the_plain_loop_wakes_when_a_waiting_row_falls_due(conn: psycopg.Connection[Any]) -> None:
+    """A retry's backoff or a delayed message waited for the next round, up
+    to a whole claim interval past its time."""
+    from outbox_relay import RelayLoop
+
+    db = DirectDatabase(conn)
+    loop = RelayLoop(
+        claimer=relay_claimer(conn),
+        deliverer=Deliverer(print, db=db, concurrency=1, publish_timeout=1.0),
+        rescuer=Rescuer(db, table=OutboxTable(), max_attempts=3),
+        claim_interval=30.0,
+    )
+    assert loop.idle_wait() == 30.0  # nothing waits
+    enqueue(conn, aggregate_type="o", aggregate_id="1", event_type="e", payload={}, delay=2.0)
+    assert 1.5 < loop.idle_wait() < 2.1
+    enqueue(conn, aggregate_type="o", aggregate_id="2", event_type="e", payload={}, delay=90.0)
+    assert 1.5 < loop.idle_wait() < 2.1  # the first to fall due
+    conn.execute("DELETE FROM outbox WHERE aggregate_id = '1'")
+    assert loop.idle_wait() == 30.0  # due after the next round anyway
 
 
 def test_relaxed_finalizes_keep_claims_durable(dsn: str) -> None:

@@ -111,6 +111,9 @@ class _Every:
         return False
 
 
+_DUE_MARGIN_SECONDS = 0.02
+
+
 class RelayLoop:
     """The relay in one thread: rescue, claim, deliver in chunks, purge.
 
@@ -173,12 +176,23 @@ class RelayLoop:
         return len(claimed)
 
     def run(self, stop: threading.Event) -> None:
-        """Until ``stop`` is set; a round that claimed nothing waits a claim interval."""
+        """Until ``stop`` is set; a round that claimed nothing waits a claim
+        interval, or until the first waiting row falls due when that is sooner."""
         while not stop.is_set():
             try:
-                claimed = self.run_once()
+                wait = 0.0 if self.run_once() else self.idle_wait()
             except Exception:
                 log.exception("relay round failed; trying again after the claim interval")
-                claimed = 0
-            if not claimed:
-                stop.wait(self.claim_interval)
+                wait = self.claim_interval
+            if wait:
+                stop.wait(wait)
+
+    def idle_wait(self) -> float:
+        """How long an idle loop sleeps: the claim interval, or less when a
+        retry's backoff or a delayed message ends sooner (it waited for the
+        next round, up to a whole interval past its time)."""
+        due = self.claimer.next_due()
+        if due is None or due >= self.claim_interval:
+            return self.claim_interval
+        # A little after: due by the database's clock when the claim runs.
+        return max(due, 0.0) + _DUE_MARGIN_SECONDS
