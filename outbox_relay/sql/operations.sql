@@ -81,18 +81,28 @@ SELECT attempts, count(*) AS messages
  ORDER BY attempts;
 
 -- name: op_dead_list
--- Dead messages, oldest id first. "dead" lies inside the unfinished-rows
--- partial index, so this never reads done rows. NULL filters match all;
--- %(older_than)s compares created_at (the table has no "died at" column).
+-- Dead messages, oldest id first. NULL filters match all; %(older_than)s
+-- compares created_at (the table has no "died at" column).
+-- The dead rows are gathered first (MATERIALIZED: through the unfinished-rows
+-- partial index) and only then sorted. With "ORDER BY id LIMIT n" on the table
+-- itself the planner, once dead rows were a fraction of a percent of the
+-- table, walked the primary key from the oldest id and filtered out every
+-- finished row before the first dead one: 1.16 million rows and 114k buffers
+-- for 50 rows of 8,000 dead in a table of 1.2 million (627 ms, against 26 ms).
+WITH dead AS MATERIALIZED (
+    SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
+           created_at, last_error, operation_key
+      FROM {table}
+     WHERE status = 'dead'
+       AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+       AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+       AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+       AND (%(older_than)s::interval IS NULL
+            OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+)
 SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
        created_at, last_error, operation_key
-  FROM {table}
- WHERE status = 'dead'
-   AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
-   AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
-   AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
-   AND (%(older_than)s::interval IS NULL
-        OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+  FROM dead
  ORDER BY id
  LIMIT %(limit)s;
 
