@@ -267,6 +267,11 @@ class OutboxCollector:
                         exact_done_below=self.exact_done_below,
                         timeout_ms=int(self.timeout_seconds * 1000),
                     )
+                except psycopg.errors.QueryCanceled:
+                    # The scrape's own statement_timeout (a lock, a slow disk):
+                    # the connection is fine, and trying again would wait as
+                    # long once more, past Prometheus's scrape_timeout.
+                    raise
                 except psycopg.OperationalError:
                     # A restarted server or a failover breaks the connection
                     # we held; try once more on a new one.

@@ -121,6 +121,29 @@ def test_database_down_still_serves(dsn: str, start: Any) -> None:
     assert value(samples, "outbox_messages", status="pending") is None
 
 
+def test_a_scrape_blocked_by_a_lock_ends_at_its_timeout_once(dsn: str) -> None:
+    """The scrape's statement timeout (QueryCanceled, an OperationalError)
+    was taken for a broken connection and the scrape ran again: 10 s under a
+    held lock, Prometheus's whole scrape_timeout in the shipped config."""
+    import time
+
+    from outbox_relay.metrics import OutboxCollector
+
+    collector = OutboxCollector(dsn, timeout_seconds=2.0)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    with psycopg.connect(dsn) as holder:
+        holder.execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        blocked = registry.get_sample_value("outbox_database_up")
+        took = time.monotonic() - started
+        holder.rollback()
+    assert blocked == 0
+    # Once: a second try would take as long again (4 s and more).
+    assert 1.9 < took < 3.6, f"the scrape took {took:.2f}s with a 2 s timeout"
+    assert registry.get_sample_value("outbox_database_up") == 1  # the same connection, fine
+
+
 def test_a_table_behind_this_version_says_to_migrate(
     fresh_database: str, start: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
