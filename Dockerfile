@@ -19,9 +19,10 @@ COPY outbox_relay ./outbox_relay
 RUN pip install . \
     && rm -rf /src/* \
     && useradd --system --uid 10001 --home-dir /home/relay --create-home relay \
-    # Worker metric files for Prometheus (PROMETHEUS_MULTIPROC_DIR); compose mounts a volume here.
-    && mkdir -p /run/outbox-relay/metrics \
-    && chown relay /run/outbox-relay/metrics
+    # Worker metric files for Prometheus (PROMETHEUS_MULTIPROC_DIR), and beat's
+    # schedule file (when each entry last ran); compose mounts a volume on each.
+    && mkdir -p /run/outbox-relay/metrics /var/lib/outbox-relay/beat \
+    && chown relay /run/outbox-relay/metrics /var/lib/outbox-relay/beat
 
 # A working directory of the relay's own: app.py imports a `celeryconfig`
 # module from here when one exists (mount one to configure Celery itself).

@@ -680,6 +680,10 @@ class Settings(ProducerSettings):
     # killed before its own done would.
     finalize_window_seconds: float = 0.02
     purge_after_seconds: float = 7 * 86_400.0
+    # Rows one purge statement deletes; a purge task runs up to 100 of them
+    # (Purger's max_batches), and another task after it while more are due
+    # (outbox_relay/celery/tasks.py), so retention keeps up at any rate.
+    purge_batch_size: int = 5000
     owner: str | None = None
     # Keyword options for the publisher (webhook secret, exchange ...). Their
     # secrets are masked in repr, so none reaches a log line.
@@ -710,6 +714,7 @@ class Settings(ProducerSettings):
                 "pool_size": self.pool_size,
                 "database_timeout_seconds": self.database_timeout,
                 "purge_after_seconds": self.purge_after_seconds,
+                "purge_batch_size": self.purge_batch_size,
             }
         )
         if not 0 <= self.finalize_window_seconds <= 1:

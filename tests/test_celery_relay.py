@@ -424,6 +424,28 @@ def _standalone_app_shows(
     return lines[-1]
 
 
+def test_purge_keeps_up_past_one_runs_bound(recorded_dsn, redis_broker, procs_factory):
+    """One purge task stops at 100 batches (500,000 rows by default) and the
+    rest waited for the next hour: a relay finishing more than that saw its
+    table grow run after run. While more are due, another purge follows."""
+    procs = procs_factory(recorded_dsn, redis_broker, purge_batch_size=10)  # 1,000 a run
+    with psycopg.connect(recorded_dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status,"
+            " done_at, created_at)"
+            " SELECT 'o', g::text, 'e', '{}', 'done', now() - interval '30 days',"
+            " now() - interval '30 days' FROM generate_series(1, 2500) AS g"
+        )
+    worker = procs.worker(concurrency=1)
+    kit.client_app(redis_broker).send_task("outbox_relay.purge", queue="outbox")
+    wait_for(lambda: not counts(recorded_dsn).get("done"), timeout=60, what="every old row purged")
+    wait_for(
+        lambda: worker.text().count("another purge task follows") == 2,
+        timeout=10,
+        what="two follow-up purges (1,000 + 1,000 + 500 rows)",
+    )
+
+
 def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
     # A lease of 12 s: the tasks expire (lease minus the worst delivery) well
     # after the check below. With 4 s they expired after about a second and

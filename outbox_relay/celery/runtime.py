@@ -642,7 +642,12 @@ class Installation:
             max_attempts=policy.max_attempts,
         )
         rescuer = Rescuer(db, table=table, max_attempts=policy.max_attempts)
-        purger = Purger(db, table=table, older_than=timedelta(seconds=s.purge_after_seconds))
+        purger = Purger(
+            db,
+            table=table,
+            older_than=timedelta(seconds=s.purge_after_seconds),
+            batch_size=s.purge_batch_size,
+        )
         return Services(db, claimer, deliverer, rescuer, purger, keeper)
 
     def time_limits(self) -> tuple[float, float]:

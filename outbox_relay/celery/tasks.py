@@ -250,9 +250,26 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
 
     @app.task(name=names.PURGE, **_TASK)  # type: ignore[untyped-decorator]
     def purge(self: Any) -> dict[str, int]:
-        """Delete done rows older than OUTBOX_PURGE_AFTER_SECONDS, in bounded batches."""
+        """Delete done rows older than OUTBOX_PURGE_AFTER_SECONDS, in bounded
+        batches; while more are due, another purge task follows this one."""
         result = inst.services().purger.run_once()
-        return {"deleted": result.deleted, "batches": result.batches}
+        if result.more_left:
+            # One run stops at its bound (100 batches of OUTBOX_PURGE_BATCH_SIZE,
+            # 500,000 rows by default): a relay finishing more than that an
+            # hour saw its table grow run after run, and nothing said so.
+            log.info(
+                "purge deleted %d done message(s) in %d batch(es) and more finished before "
+                "%s are due: another purge task follows",
+                result.deleted,
+                result.batches,
+                result.cutoff.isoformat(timespec="seconds"),
+            )
+            send(purge)
+        return {
+            "deleted": result.deleted,
+            "batches": result.batches,
+            "more_left": int(result.more_left),
+        }
 
     return {
         "claim": claim,
@@ -276,9 +293,17 @@ def _database_away(inst: Installation, exc: psycopg.OperationalError) -> None:
     due = _away.hit()
     if due is None:
         return
+    # A statement timeout is a database that answers, but too late: a lock
+    # held on the table (a migration, VACUUM FULL, a LOCK TABLE), not an outage.
+    what = (
+        "did not answer within OUTBOX_DATABASE_TIMEOUT_SECONDS (a lock held on the outbox table?)"
+        if isinstance(exc, psycopg.errors.QueryCanceled)
+        else "is not reachable"
+    )
     log.warning(
-        "outbox-relay: the database is not reachable (%s): claims and rescues wait for it, "
-        "each tick tries again (%d such tick(s) since the last such line)",
+        "outbox-relay: the database %s (%s): claims and rescues wait for it, each tick tries "
+        "again (%d such tick(s) since the last such line)",
+        what,
         connect_error(exc, inst.settings.dsn or ""),
         due.count,
     )
