@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 import pytest
@@ -463,6 +464,32 @@ def test_celery_retry_backoff_keeps_celerys_schedule() -> None:
     assert constant.backoff(3) == timedelta(seconds=7)
 
 
+def test_retry_backoff_zero_is_no_backoff_as_in_celery_and_a_negative_one_is_refused() -> None:
+    """retry_backoff=0 was read as a factor of 0: every attempt spent in
+    milliseconds (Celery tests it for truth: the constant default_retry_delay).
+    A negative option started, then crashed every failed delivery
+    (ValueError in the backoff), its row waiting out a lease each time."""
+    from datetime import timedelta
+
+    from celery import Celery
+
+    import outbox_relay
+    from outbox_relay.celery.options import retry_policy
+
+    settings = Settings.load({}, environ={})
+    for off in (0, 0.0, None, False):
+        policy = retry_policy(settings, {"retry_backoff": off, "retry_jitter": False}, {})
+        assert policy.backoff(1) == timedelta(seconds=180), off
+    for name, value in (("retry_backoff", -1), ("retry_backoff_max", -5), ("retry_backoff", "x")):
+        with pytest.raises(ConfigError, match=f"task option {name} must be a number of seconds"):
+            retry_policy(settings, {name: value}, {})
+    app = Celery("negative", broker="memory://", set_as_current=False)
+    app.conf.task_annotations = {"outbox_relay.deliver": {"retry_backoff": -1}}
+    inst = outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    with pytest.raises(ConfigError, match="retry_backoff must be a number of seconds >= 0"):
+        inst.validate()
+
+
 def test_an_empty_value_leaves_an_optional_setting_unset() -> None:
     # OUTBOX_OWNER= in a .env file reaches the process as an empty string
     # (docker compose passes ${OUTBOX_OWNER:-} on as it is).
@@ -472,3 +499,19 @@ def test_an_empty_value_leaves_an_optional_setting_unset() -> None:
     # A setting that is not optional still refuses it.
     with pytest.raises(ConfigError, match="OUTBOX_LEASE_SECONDS must be a number"):
         Settings.load({}, environ={"OUTBOX_LEASE_SECONDS": ""})
+
+
+def test_a_publisher_module_in_the_current_directory_says_how_to_import_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery imports the -A app and its config module from the current
+    directory; a publisher module beside them was only "No module named"."""
+    from outbox_relay.publishers.protocol import load_callable
+
+    name = f"here_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text("def publish(message):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"is in the current directory.*PYTHONPATH=\."):
+        load_callable(f"{name}:publish")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert callable(load_callable(f"{name}:publish"))  # as the hint says

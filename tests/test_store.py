@@ -467,6 +467,23 @@ def test_exhausted_retries_through_dispatch_once_go_dead(conn: psycopg.Connectio
     assert [m.attempts for m in publisher.messages] == [1, 2, 3]
 
 
+def test_a_row_dead_at_the_claim_keeps_what_the_receiver_said(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """A row past a lowered OUTBOX_MAX_ATTEMPTS goes dead at the claim; its
+    last_error was replaced by the count alone, and `dead list` could no
+    longer say what the receiver had answered."""
+    [message_id] = seed(conn, 1)
+    conn.execute(
+        "UPDATE outbox SET attempts = 5, last_error = 'retryable: HTTP 503' WHERE id = %s",
+        (message_id,),
+    )
+    assert claim(conn, None, max_attempts=3) == []
+    r = row(conn, message_id)
+    assert r["status"] == "dead"
+    assert r["last_error"] == "retries exhausted: 5 attempts used of 3; last: retryable: HTTP 503"
+
+
 def test_defer_refunds_the_attempt(conn: psycopg.Connection[Any]) -> None:
     [message_id] = seed(conn, 1)
     policy = RetryPolicy(max_attempts=2)

@@ -87,12 +87,14 @@ def retry_policy(
     if "max_retries" in options:
         max_retries = options["max_retries"]
         max_attempts = 2**31 - 1 if max_retries is None else int(max_retries) + 1
-    cap = float(options.get("retry_backoff_max", settings.backoff_cap_seconds))
+    cap = _seconds(options, "retry_backoff_max", settings.backoff_cap_seconds)
     jitter = bool(options.get("retry_jitter", True))
     backoff = options.get("retry_backoff", settings.backoff_base_seconds)
-    if backoff is False or backoff is None:
-        # Celery without backoff retries after a constant default_retry_delay.
-        base = float(options.get("default_retry_delay", 180))
+    if "retry_backoff" in options and not backoff:
+        # Celery without backoff (False, None, or 0: Celery tests it for
+        # truth) retries after a constant default_retry_delay. A 0 read as a
+        # factor retried at once, every attempt spent in milliseconds.
+        base = _seconds(options, "default_retry_delay", 180)
         cap = base
         jitter = bool(options.get("retry_jitter", False))
     elif "retry_backoff" in options:
@@ -100,7 +102,7 @@ def retry_policy(
         # first retry; the relay's backoff is base * 2**attempts, attempts
         # counted from 1 after the first failure: the same schedule at half
         # the factor (retry_backoff=2: 2 s, 4 s, 8 s, as Celery would).
-        base = (1.0 if backoff is True else float(backoff)) / 2.0
+        base = (1.0 if backoff is True else _seconds(options, "retry_backoff", 1.0)) / 2.0
     else:
         base = float(backoff)  # the relay's own backoff_base_seconds
     return RetryPolicy(
@@ -111,6 +113,20 @@ def retry_policy(
         max_defer=timedelta(seconds=settings.max_defer_seconds),
         retry_on=tuple(options.get("autoretry_for", ()) or ()),
     )
+
+
+def _seconds(options: Mapping[str, Any], name: str, default: float) -> float:
+    """A retry option in seconds, refused when it is not a number >= 0: a
+    negative one was accepted at start and crashed every delivery that
+    failed (ValueError in the backoff), its row waiting out a lease each time."""
+    value = options.get(name, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ConfigError(f"task option {name} must be a number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 def time_limits(settings: Settings) -> tuple[float, float]:

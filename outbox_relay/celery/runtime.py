@@ -402,6 +402,7 @@ class Installation:
         worst = s.worst_delivery_seconds
         delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER
         options = {**self.task_options, **annotations_for(self.app, delivery)}
+        self.policy()  # the retry options' values, refused here rather than at the first failure
         for name in ("time_limit", "soft_time_limit"):
             limit = options.get(name)
             if limit is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .._redact import mask_spec, scrub
@@ -45,6 +46,7 @@ def import_object(spec: str, *, setting: str, what: str = "name", dotted: bool =
     except ImportError as exc:
         raise ConfigError(
             f"{setting}={shown!r}: cannot import {module_name!r}: {scrub(str(exc), spec)}"
+            f"{_path_hint(module_name)}"
         ) from exc
     target: Any = module
     for part in attribute.split("."):
@@ -56,6 +58,20 @@ def import_object(spec: str, *, setting: str, what: str = "name", dotted: bool =
                 f"{scrub(repr(attribute), spec)}"
             ) from None
     return target
+
+
+def _path_hint(module_name: str) -> str:
+    """Why a module in the current directory is not found: Celery imports the
+    -A app and its config module from there, but the worker's import path
+    does not hold it, and a publisher next to them was "No module named"."""
+    top = module_name.split(".")[0]
+    here = Path.cwd()
+    if (here / f"{top}.py").exists() or (here / top / "__init__.py").exists():
+        return (
+            f" ({top!r} is in the current directory, which is not on the import path: "
+            "run with PYTHONPATH=. or install it)"
+        )
+    return ""
 
 
 def load_callable(spec: str, *, setting: str = "OUTBOX_PUBLISHER") -> Publisher:

@@ -182,9 +182,11 @@ class _Attempt:
             self.outcome = classify(exc, msg, d.policy, age_seconds=self.row.age_seconds).status
         if not d.policy.is_classified(exc):
             log.error(
-                "publisher raised an unclassified error for outbox message %s; "
-                "retrying it as transient",
+                "publisher raised an unclassified error for outbox message %s; %s",
                 msg.id,
+                "retrying it as transient"
+                if msg.attempts < d.policy.max_attempts
+                else "it was the last attempt",
                 exc_info=exc,
             )
         return exc, time.perf_counter() - self.started

@@ -277,8 +277,9 @@ WITH ready AS (
            attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
                                 ELSE o.attempts + %(count_attempt)s END,
            last_error    = CASE WHEN o.attempts >= ready.max_attempts
-                                THEN 'retries exhausted: ' || o.attempts || ' attempts used of '
+                                THEN left('retries exhausted: ' || o.attempts || ' attempts used of '
                                      || ready.max_attempts
+                                     || coalesce('; last: ' || o.last_error, ''), 2000)
                                 ELSE o.last_error END
       FROM ready
      WHERE o.id = ready.id
