@@ -162,7 +162,8 @@ def _no_publisher(message: Message) -> None:
     """What a relay with no OUTBOX_PUBLISHER does with a row that is not a canvas."""
     raise PermanentError(
         f"no publisher for event type {message.event_type!r}: OUTBOX_PUBLISHER is not set "
-        "(this relay sends only rows written by outbox_relay.apply_async); set it, then "
+        "(this relay sends only Celery tasks: rows written by outbox_relay.apply_async and "
+        "durable tasks); set it, then "
         "retry this row with `outbox-relay dead retry`"
     )
 
@@ -447,8 +448,9 @@ class Installation:
         if not s.publisher:
             log.warning(
                 "outbox-relay: OUTBOX_PUBLISHER is not set: this relay sends the Celery tasks "
-                "written with outbox_relay.apply_async; any other row ends dead, its reason "
-                "naming OUTBOX_PUBLISHER (set it, then `outbox-relay dead retry --all`)"
+                "written with outbox_relay.apply_async and durable tasks; any other row ends "
+                "dead, its reason naming OUTBOX_PUBLISHER (set it, then "
+                "`outbox-relay dead retry --all`)"
             )
         for target in _celery_targets(base):
             # A task name nobody registers: refused (relay's own app) or warned.
