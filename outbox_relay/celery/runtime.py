@@ -163,8 +163,7 @@ def _no_publisher(message: Message) -> None:
     raise PermanentError(
         f"no publisher for event type {message.event_type!r}: OUTBOX_PUBLISHER is not set "
         "(this relay sends only Celery tasks: rows written by outbox_relay.apply_async and "
-        "durable tasks); set it, then "
-        "retry this row with `outbox-relay dead retry`"
+        "durable tasks); set it, then retry this row with `outbox-relay dead retry`"
     )
 
 
