@@ -137,12 +137,10 @@ def _params(
     headers = dict(msg.headers or {})
     if not all(isinstance(k, str) for k in headers):
         raise InvalidMessage("headers must have string names")
-    # W3C trace headers under their lower-case names, as propagators read them
-    # (and as the operation-key digest leaves them out): "Traceparent" was kept
-    # as written, compared as content, and ignored by the relay's extract.
-    headers = {
-        (k.lower() if k.lower() in tracing.TRACE_HEADERS else k): v for k, v in headers.items()
-    }
+    # As propagators read them and the operation-key digest leaves them out:
+    # "Traceparent" was kept as written, compared as content, and ignored by
+    # the relay's extract.
+    headers = tracing.lower_trace_names(headers)
     present = {k.lower() for k in headers}
     if trace and "traceparent" not in present:
         # A traceparent the caller passed wins (with its tracestate); other
@@ -152,11 +150,7 @@ def _params(
     if key is not None and (not isinstance(key, str) or not key):
         raise InvalidMessage("operation_key must be a non-empty string or None")
     if key is not None:
-        if "\x00" in key:
-            raise InvalidMessage(
-                "operation_key holds a NUL character; PostgreSQL text cannot store it"
-            )
-        _utf8(key, "operation_key")
+        key = _text("operation_key", key)  # NUL, lone surrogates: as every text field
     return {
         "aggregate_type": _text("aggregate_type", msg.aggregate_type),
         "aggregate_id": _text("aggregate_id", msg.aggregate_id),

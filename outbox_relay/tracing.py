@@ -29,7 +29,14 @@ from typing import Any
 from .errors import Defer
 from .model import Message
 
-__all__ = ["TRACE_HEADERS", "PublishSpan", "PublishTracer", "current_headers", "default_tracer"]
+__all__ = [
+    "TRACE_HEADERS",
+    "PublishSpan",
+    "PublishTracer",
+    "current_headers",
+    "default_tracer",
+    "lower_trace_names",
+]
 
 # The W3C propagation headers. Also what the operation-key digest leaves out
 # (sql/queries.sql insert): the same operation retried under another trace is
@@ -62,6 +69,12 @@ def _otel() -> tuple[ModuleType, ModuleType, ModuleType] | None:
     return _api
 
 
+def lower_trace_names(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """``headers`` with the W3C trace headers under their lower-case names,
+    as propagators look them up ("TraceParent" is "traceparent")."""
+    return {(k.lower() if k.lower() in TRACE_HEADERS else k): v for k, v in headers.items()}
+
+
 def _trace_only(carrier: Mapping[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in carrier.items() if k.lower() in TRACE_HEADERS}
 
@@ -84,13 +97,8 @@ class PublishSpan:
 
     def __init__(self, owner: PublishTracer, message: Message) -> None:
         trace, propagate, context = owner.api
-        # Propagators look names up as written (lower case); rows written
-        # before names were normalised may hold "Traceparent".
-        written = {
-            (k.lower() if k.lower() in TRACE_HEADERS else k): v
-            for k, v in (message.headers or {}).items()
-        }
-        parent = propagate.extract(written)
+        # Rows written before the producer lowered the names may hold "Traceparent".
+        parent = propagate.extract(lower_trace_names(message.headers or {}))
         self._span = owner.tracer.start_span(
             f"outbox publish {message.event_type}",
             context=parent,
