@@ -22,6 +22,7 @@ from celery import bootsteps
 
 from .. import store
 from .._throttle import Throttle
+from ..config import Settings
 from ..db import bounded_connection_kwargs
 from ..errors import ConfigError
 from ..table import OutboxTable
@@ -163,7 +164,7 @@ def relays_here(worker: Any, inst: Any) -> bool:
     return False
 
 
-def chunk_cut(settings: Any, processes: int) -> str | None:
+def chunk_cut(settings: Settings, processes: int) -> str | None:
     """What a worker says at start when its delivery tasks will carry fewer
     rows than OUTBOX_CHUNK_SIZE (fanout.chunk_size_for): documented, but a
     user tuning chunk sizes saw tasks of 300 and 200 rows and no word why."""
