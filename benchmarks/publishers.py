@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from outbox_relay import Message
+from outbox_relay import Message, RetryableError
 
 
 def noop(message: Message) -> None:
@@ -22,6 +22,13 @@ def wait20ms(message: Message) -> None:
 def wait1ms(message: Message) -> None:
     """Stand-in for a receiver that answers in 1 ms (a broker with publisher confirms)."""
     time.sleep(0.001)
+
+
+def fail_first(message: Message) -> None:
+    """A receiver that was down for every message's first attempt (an outage
+    the relay rode out): the retries are what is measured."""
+    if message.attempts <= 1:
+        raise RetryableError("receiver down (benchmark)")
 
 
 async def wait20ms_async(message: Message) -> None:

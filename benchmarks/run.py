@@ -930,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="groups: ceiling,per-message,chunked,loops,pgqueuer,latency,durable,canvas",
+        help="groups: ceiling,per-message,chunked,retries,loops,pgqueuer,latency,durable,canvas",
     )
     parser.add_argument(
         "--canvas-messages", type=int, default=5_000, help="canvas: business transactions"
@@ -1010,6 +1010,21 @@ def main(argv: list[str] | None = None) -> int:
                             **_chunk_settings(chunk),
                         ),
                     )
+            if want("retries") and not args.quick:
+                # Every message's first attempt fails (a receiver outage);
+                # the run ends when the retries are done: the recovery's pace
+                # beside chunked_50's.
+                record(
+                    "chunked50_retries",
+                    relay(
+                        b,
+                        bulk,
+                        name="relay chunked (50), every first attempt failed",
+                        chunk=50,
+                        publisher="fail_first",
+                        **_chunk_settings(50),
+                    ),
+                )
             if want("loops"):
                 record(
                     "literal",
@@ -1272,6 +1287,11 @@ def _report(
                 "chunked 50, 20 ms awaited, twice the pool / pgqueuer 20 ms",
                 "chunked50_20ms_async_c2",
                 "pgq_20ms",
+            ),
+            (
+                "chunked 50, every first attempt failed / no failures (each row twice)",
+                "chunked50_retries",
+                "chunked_50",
             ),
             ("per-message / Celery UPDATE task", "per_message", "update"),
             ("per-message / Celery no-op task", "per_message", "noop"),

@@ -55,6 +55,11 @@ class Claimed:
     lease_until: datetime | None = None
     # Written by the producer: claimed in id order within its aggregate.
     ordered: bool = False
+    # From a claim: the row's previous delivery began and never ended (its
+    # lease ran out under it: the process died or hung, perhaps because of
+    # this very message). A delivery that ended with an outcome, a retry
+    # included, leaves it False.
+    interrupted: bool = False
 
     @property
     def ref(self) -> LeaseRef:

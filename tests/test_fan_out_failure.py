@@ -49,15 +49,18 @@ def test_unreachable_broker_releases_the_claimed_rows(dsn: str) -> None:
     inst.close()
 
 
-def test_rows_attempted_before_are_delivered_alone() -> None:
+def test_rows_whose_delivery_was_interrupted_are_delivered_alone() -> None:
     """A poison message (its worker dies each time) must not take its chunk
-    with it: rows already attempted go in their own delivery task."""
+    with it: a row whose last delivery died under it goes in a delivery task
+    of its own; a retry after a classified failure is chunked as usual."""
     from outbox_relay.celery.fanout import chunked
     from outbox_relay.model import Claimed
 
-    def row(i: int, attempts: int) -> Claimed:
-        return Claimed(i, 1, attempts, "order", str(i), "order.created", {})
+    def row(i: int, attempts: int, interrupted: bool = False) -> Claimed:
+        return Claimed(
+            i, 1, attempts, "order", str(i), "order.created", {}, interrupted=interrupted
+        )
 
-    claimed = [row(1, 0), row(2, 1), row(3, 0), row(4, 0), row(5, 2), row(6, 0)]
+    claimed = [row(1, 0), row(2, 1, True), row(3, 1), row(4, 0), row(5, 2, True), row(6, 3)]
     assert [[c.id for c in part] for part in chunked(claimed, 2)] == [[2], [1, 3], [5], [4, 6]]
     assert [[c.id for c in part] for part in chunked(claimed, 1)] == [[i] for i in range(1, 7)]

@@ -104,6 +104,53 @@ def test_an_attempt_is_counted_when_a_delivery_begins(conn: psycopg.Connection[A
     assert "lease expired on the last attempt (2 of 2)" in error
 
 
+def test_only_a_delivery_that_died_under_its_row_marks_it_interrupted(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """The chunked fan-out sends an interrupted row alone (it may be a poison
+    message that kills its process) and chunks every other retry: a
+    classified failure, a release, a lost task or a retry from dead is not
+    the mark of a message that kills its worker."""
+    failed, died, lost, released = seed(conn, 4)
+    claimer = relay_claimer(conn, max_attempts=5)
+    rescuer = Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=5)
+    needed = timedelta(seconds=1)
+    first = {m.id: m for m in claimer.run_once().claimed}
+    assert not any(m.interrupted for m in first.values())
+    store.begin(conn, [first[i].ref for i in (failed, died, released)], needed=needed)
+    store.finalize(
+        conn,
+        [
+            Outcome(failed, first[failed].lease_version, "pending", error="503"),
+            Outcome(released, first[released].lease_version, "pending", refund_attempt=True),
+        ],
+    )
+    # `died`'s worker dies mid-publish; `lost`'s task never reached a worker.
+    expire_leases(conn)
+    rescuer.run_once()
+    second = {m.id: m for m in claimer.run_once().claimed}
+    assert {i: m.interrupted for i, m in second.items()} == {
+        failed: False,
+        died: True,
+        lost: False,
+        released: False,
+    }
+    # The interrupted row's next delivery ends with an outcome: no longer marked.
+    store.begin(conn, [second[died].ref], needed=needed)
+    store.finalize(conn, [Outcome(died, second[died].lease_version, "pending", error="503")])
+    [third] = claimer.run_once().claimed
+    assert third.id == died and not third.interrupted
+    # A row that died on its last attempt and that a person retries from
+    # dead keeps the mark: it may still kill its worker.
+    store.begin(conn, [third.ref], needed=needed)
+    expire_leases(conn)
+    Rescuer(DirectDatabase(conn), table=OutboxTable(), max_attempts=3).run_once()
+    [(status,)] = conn.execute("SELECT status FROM outbox WHERE id = %s", (died,)).fetchall()
+    assert status == "dead"
+    conn.execute("UPDATE outbox SET status = 'pending', attempts = 0 WHERE id = %s", (died,))
+    assert [m.interrupted for m in claimer.run_once().claimed if m.id == died] == [True]
+
+
 def test_a_duplicated_delivery_task_counts_one_attempt(conn: psycopg.Connection[Any]) -> None:
     """The broker may deliver a task twice: both copies pass the fence (same
     id and lease version), but only the first begin counts an attempt (found

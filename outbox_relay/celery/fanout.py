@@ -62,16 +62,19 @@ def release(db: Database, settings: Settings, claimed: Sequence[Claimed], reason
 def chunked(claimed: Sequence[Claimed], size: int) -> list[list[Claimed]]:
     """Split a claim into delivery tasks of up to ``size`` rows, in claim order.
 
-    A row that was attempted before (a publish failed, or its worker died
-    mid-delivery) goes alone: a poison message that kills the process
+    A row whose last delivery was interrupted (its process died or hung
+    under it) goes alone: a poison message that kills the process
     publishing it would otherwise take its whole chunk with it every time,
     and its innocent neighbours, whose attempts are counted with the
-    chunk's, would reach the attempt limit beside it.
+    chunk's, would reach the attempt limit beside it. A retry whose
+    delivery ended with an outcome (a failed publish, classified) is no such
+    suspect and is chunked like any row: after a receiver's outage the
+    retries go out at chunked speed, not one task each.
     """
     chunks: list[list[Claimed]] = []
     current: list[Claimed] = []
     for row in claimed:
-        if row.attempts > 0 and size > 1:
+        if row.interrupted and size > 1:
             chunks.append([row])
             continue
         current.append(row)

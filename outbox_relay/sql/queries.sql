@@ -286,7 +286,10 @@ WITH ready AS (
  RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
            o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
            o.ordered, o.status,
-           %(content)s OR o.event_type = 'celery.durable' AS whole
+           %(content)s OR o.event_type = 'celery.durable' AS whole,
+           -- Its last lease began a delivery that never ended: only the
+           -- rescuer gives such a row back (a finalize clears began_version).
+           coalesce(o.began_version = o.lease_version - 1, false) AS interrupted
 )
 SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
        CASE WHEN whole THEN payload END,
@@ -294,7 +297,7 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
        operation_key,
        CASE WHEN whole THEN created_at END,
        CASE WHEN whole THEN lease_until END,
-       ordered
+       ordered, interrupted
   FROM changed
  WHERE status = 'processing';
 
@@ -379,6 +382,9 @@ UPDATE {table} AS o
        last_error   = v.error,
        done_at      = CASE WHEN v.status = 'done'
                            THEN coalesce(%(now)s::timestamptz, now()) END,
+       -- The delivery ended with an outcome: the next claim must not take
+       -- the row for one that died under it (claim's "interrupted").
+       began_version = CASE WHEN v.status = 'done' THEN o.began_version END,
        lease_owner  = NULL,
        lease_until  = NULL
   FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[],
@@ -431,6 +437,7 @@ UPDATE {table} AS o
        last_error   = %(error)s,
        done_at      = CASE WHEN %(status)s = 'done'
                            THEN coalesce(%(now)s::timestamptz, now()) END,
+       began_version = CASE WHEN %(status)s = 'done' THEN o.began_version END,
        lease_owner  = NULL,
        lease_until  = NULL
  WHERE o.id = %(id)s

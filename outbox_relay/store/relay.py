@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -219,7 +219,8 @@ def claim_batch(
             **_ordered_params(ordered),
         }
         rows = conn.execute(q.claim, params).fetchall()
-    return ClaimBatch(sorted(map(_claimed, rows), key=lambda c: c.id), limit, batch)
+    claimed = [_claimed(row, interrupted=row[12]) for row in rows]
+    return ClaimBatch(sorted(claimed, key=lambda c: c.id), limit, batch)
 
 
 # ---------------------------------------------------------------- delivery
@@ -234,10 +235,11 @@ class Began:
     started: bool = True
 
 
-def _claimed(row: Sequence[Any]) -> Claimed:
+def _claimed(row: Sequence[Any], *, interrupted: bool = False) -> Claimed:
     # Headers come back NULL where the statement leaves them out (empty, or
     # a claim without content).
-    return Claimed(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12])
+    c = Claimed(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12])
+    return replace(c, interrupted=True) if interrupted else c
 
 
 def _began(row: Sequence[Any]) -> Began:
