@@ -50,6 +50,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ._redact import connect_error
 from .model import Claimed, LeaseRef, Outcome
 from .store import ops
 from .store.producer import missing_table
@@ -245,6 +246,8 @@ class OutboxCollector:
         self.timeout_seconds = timeout_seconds
         self._conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()  # scrapes may arrive concurrently
+        # What the last scrape reported as outbox_database_up (None before one).
+        self.up: bool | None = None
 
     def _connect(self) -> psycopg.Connection[Any]:
         return psycopg.connect(
@@ -294,8 +297,12 @@ class OutboxCollector:
                 behind = missing_table(self.table, exc.diag.message_primary)
                 log.warning("metrics scrape: %s", behind)
             else:
-                log.warning("metrics scrape could not read %s: %s", self.table.qualified, exc)
+                # Scrubbed: libpq's message for a DSN it cannot parse quotes
+                # the part it choked on, which may be the password.
+                shown = connect_error(exc, self.dsn)
+                log.warning("metrics scrape could not read %s: %s", self.table.qualified, shown)
             families["up"].add_metric([], 0)
+            self.up = False
             yield families["up"]
             return
         counts = {"pending": g.pending, "processing": g.processing, "done": g.done, "dead": g.dead}
@@ -304,6 +311,7 @@ class OutboxCollector:
         families["oldest"].add_metric([], g.oldest_pending_age_seconds)
         families["expired"].add_metric([], g.expired_leases)
         families["up"].add_metric([], 1)
+        self.up = True
         yield from families.values()
 
     def _close(self) -> None:

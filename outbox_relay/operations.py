@@ -22,9 +22,11 @@ from .store.ops import (
     QueueGauges,
     RoleKind,
     attempts_distribution,
+    dead_count,
     dead_list,
     dead_retry,
     dead_skip,
+    done_recently,
     gauges,
     get_row,
     grants,
@@ -43,9 +45,11 @@ __all__ = [
     "QueueGauges",
     "RoleKind",
     "attempts_distribution",
+    "dead_count",
     "dead_list",
     "dead_retry",
     "dead_skip",
+    "done_recently",
     "gauges",
     "get_row",
     "grants",
@@ -73,7 +77,9 @@ def human_duration(seconds: float) -> str:
 
 
 def status_table(snapshot: dict[str, Any]) -> Table:
-    """``status()`` as a table for a terminal."""
+    """``status()`` as a table for a terminal. With a ``max_in_flight`` key
+    (the in-flight cap, which only the relay's settings know) the live
+    leases are shown against it."""
     # Imported here: scripts and workers that import this module for purge()
     # or dead_retry() never render anything.
     from rich.table import Table
@@ -88,6 +94,12 @@ def status_table(snapshot: dict[str, Any]) -> Table:
     shown = "none" if not age else human_duration(age) + (f" ({age:.1f}s)" if age >= 60 else "")
     table.add_row("oldest awaiting delivery", shown)
     table.add_row("expired leases", str(snapshot["expired_leases"]))
+    in_flight, cap = snapshot.get("in_flight"), snapshot.get("max_in_flight")
+    if in_flight is not None:
+        label = "in flight (live leases)" + (" / cap" if cap else "")
+        table.add_row(label, f"{in_flight} / {cap}" if cap else str(in_flight))
+    if snapshot.get("done_last_minute") is not None:
+        table.add_row("done in the last minute", str(snapshot["done_last_minute"]))
     attempts = snapshot["attempts"]
     spread = ", ".join(f"{k}: {v}" for k, v in attempts.items()) or "none waiting"
     table.add_row("attempts (pending+processing)", spread)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -32,11 +33,17 @@ BIN = Path(sys.executable).parent
 VERSIONS = [m.version for m in migrations_for(OutboxTable())]
 
 
-def cli(*args: str, dsn: str | None = None, **env: str | None) -> Result:
-    """Run ``outbox-relay`` in-process; nothing leaks in from the environment."""
+def cli(*args: str, dsn: str | None = None, input: str | None = None, **env: str | None) -> Result:
+    """Run ``outbox-relay`` in-process; nothing leaks in from the environment.
+    ``input`` is what stdin holds (not a terminal, as for a cron job)."""
     argv = (["--dsn", dsn] if dsn else []) + list(args)
-    clean: dict[str, str | None] = {"OUTBOX_DSN": None, "OUTBOX_TABLE": None, **env}
-    return CliRunner().invoke(main, argv, env=clean)
+    clean: dict[str, str | None] = {
+        "OUTBOX_DSN": None,
+        "OUTBOX_TABLE": None,
+        "OUTBOX_MAX_IN_FLIGHT": None,
+        **env,
+    }
+    return CliRunner().invoke(main, argv, env=clean, input=input)
 
 
 def ok(result: Result) -> str:
@@ -48,6 +55,12 @@ def row(conn: psycopg.Connection[Any], message_id: int) -> dict[str, Any]:
     found = store.get_row(conn, message_id)
     assert found is not None
     return found
+
+
+# What `status` shows of scenario() beyond the gauges: its one processing row's
+# lease has expired (nothing in flight), its done row finished hours ago, and
+# no cap is configured here (the default is shown).
+STATUS_ONLY = {"in_flight": 0, "done_last_minute": 0, "max_in_flight": 1000}
 
 
 def past(**delta: float) -> datetime:
@@ -82,9 +95,9 @@ def test_migrate_sql_prints_a_script_that_migrates(fresh_database: str) -> None:
 def test_status_json_matches_rows(dsn: str, conn: psycopg.Connection[Any]) -> None:
     scenario(conn)
     snapshot = json.loads(ok(cli("status", "--json", dsn=dsn)))
-    assert set(snapshot) == {*EXPECTED, "oldest_pending_age_seconds"}
+    assert set(snapshot) == {*EXPECTED, *STATUS_ONLY, "oldest_pending_age_seconds"}
     age = snapshot.pop("oldest_pending_age_seconds")
-    assert snapshot == EXPECTED
+    assert snapshot == {**EXPECTED, **STATUS_ONLY}
     assert 10800 <= age < 10860
 
 
@@ -223,6 +236,7 @@ def test_a_missing_table_of_another_name_suggests_migrate_with_its_table(
         ["dead", "list"],
         ["dead", "retry", "--all"],
         ["dead", "skip", "1"],
+        ["dead", "skip", "--all", "--yes"],
         ["purge", "--older-than", "7d"],
     ],
 )
@@ -467,20 +481,125 @@ def test_dead_commands_touch_only_dead_rows(dsn: str, conn: psycopg.Connection[A
     assert cli("dead", "skip", str(alive), dsn=dsn).exit_code == 1
     assert row(conn, alive)["status"] == "pending"
     # --all with a filter retries just what matches.
-    out = ok(cli("dead", "retry", "--all", "--event-type", "order.paid", dsn=dsn))
+    out = ok(cli("dead", "retry", "--all", "--event-type", "order.paid", "--yes", dsn=dsn))
     assert f"retried 1 dead message(s) in public.outbox: {dead[1]}" in out
     assert row(conn, other)["status"] == "dead"
     assert f"retried 1 dead message(s) in public.outbox: {other}" in ok(
-        cli("dead", "retry", "--all", dsn=dsn)
+        cli("dead", "retry", "--all", "-y", dsn=dsn)
     )
     assert "retried 0 dead message(s) in public.outbox" in ok(
-        cli("dead", "retry", "--all", dsn=dsn)
+        cli("dead", "retry", "--all", "-y", dsn=dsn)
     )
     # Argument mistakes are usage errors.
     assert cli("dead", "retry", dsn=dsn).exit_code == 2
     assert cli("dead", "retry", "--all", str(other), dsn=dsn).exit_code == 2
     assert cli("dead", "retry", str(other), "--event-type", "x", dsn=dsn).exit_code == 2
     assert cli("dead", "skip", dsn=dsn).exit_code == 2
+
+
+def test_dead_all_asks_first_and_needs_yes_without_a_terminal(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--all changes every match at once: it says how many and asks. A cron
+    job (no terminal on stdin) must never hang on that question: it is told
+    to pass --yes, exit status 2, and nothing changes."""
+    t0 = past(hours=1)
+    paid = add(conn, at=t0, event_type="order.paid", n=3)
+    sent = add(conn, at=t0, event_type="invoice.sent")
+    make_dead(conn, [*paid, *sent], t0, "boom")
+    for verb in ("retry", "skip"):
+        result = cli("dead", verb, "--all", "--event-type", "order.paid", dsn=dsn)
+        assert result.exit_code == 2, result.output
+        assert (
+            f"confirmation needed to {verb} 3 dead message(s) in public.outbox "
+            "(event type order.paid), "
+        ) in result.output
+        assert "stdin is not a terminal, so nothing was asked or changed: pass --yes" in (
+            result.output
+        )
+    assert operations.dead_count(conn) == 4
+    # A person at a terminal is asked; anything but yes changes nothing.
+    monkeypatch.setattr("outbox_relay.cli.common._interactive", lambda: True)
+    result = cli("dead", "retry", "--all", "--limit", "2", dsn=dsn, input="n\n")
+    assert result.exit_code == 1 and "not confirmed: nothing changed" in result.output
+    assert "Retry 2 dead message(s) in public.outbox, all due at once (--spread" in result.output
+    assert operations.dead_count(conn) == 4
+    result = cli("dead", "retry", "--all", "--limit", "2", dsn=dsn, input="y\n")
+    assert f"retried 2 dead message(s) in public.outbox: {paid[0]}, {paid[1]}" in ok(result)
+    # Nothing matches: nothing to ask.
+    out = ok(cli("dead", "skip", "--all", "--aggregate-id", "nope", dsn=dsn))
+    assert "skipped 0 dead message(s)" in out
+    # IDs are explicit: no question.
+    monkeypatch.setattr("outbox_relay.cli.common._interactive", lambda: False)
+    assert f"skipped 1 dead message(s) in public.outbox: {sent[0]}" in ok(
+        cli("dead", "skip", str(sent[0]), dsn=dsn)
+    )
+    # skip takes --all and the filters as retry does.
+    out = ok(cli("dead", "skip", "--all", "--event-type", "order.paid", "--yes", dsn=dsn))
+    assert f"skipped 1 dead message(s) in public.outbox: {paid[2]}" in out
+    assert row(conn, paid[2])["last_error"].startswith("skipped by an operator")
+    # --limit selects among --all's matches only.
+    assert cli("dead", "skip", str(paid[0]), "--limit", "1", dsn=dsn).exit_code == 2
+
+
+def test_dead_retry_spread_paces_the_backlog(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    t0 = past(hours=1)
+    ids = add(conn, at=t0, n=4)
+    make_dead(conn, ids, t0, "retryable: HTTP 503")
+    out = ok(cli("dead", "retry", "--all", "--spread", "10m", "--yes", dsn=dsn))
+    assert "retried 4 dead message(s)" in out
+    assert "(due from now until 10m 00s from now, oldest first)" in out
+    due = [row(conn, i)["available_at"] for i in ids]
+    assert due == sorted(due)
+    assert [round((d - due[0]).total_seconds()) for d in due] == [0, 150, 300, 450]
+    assert abs((due[0] - datetime.now(timezone.utc)).total_seconds()) < 60
+
+
+def test_dead_list_says_how_many_match(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    t0 = past(hours=1)
+    ids = add(conn, at=t0, n=3)
+    make_dead(conn, ids, t0, "boom")
+    text = ok(cli("dead", "list", "--limit", "2", dsn=dsn))
+    assert "(the first 2 of 3 that match; raise --limit or narrow the filters for more)" in text
+    assert "that match" not in ok(cli("dead", "list", "--limit", "3", dsn=dsn))
+    # --json stays an array of the page, as scripts read it.
+    assert len(json.loads(ok(cli("dead", "list", "--limit", "2", "--json", dsn=dsn)))) == 2
+
+
+def test_status_shows_the_rate_and_the_in_flight_cap(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    now = datetime.now(timezone.utc)
+    ids = add(conn, at=now, n=3)
+    claimed = claim_all(conn, now)
+    assert store.mark_done(conn, claimed[ids[0]])
+    snapshot = json.loads(ok(cli("status", "--json", dsn=dsn)))
+    assert snapshot["done_last_minute"] == 1
+    assert snapshot["in_flight"] == 2 and snapshot["max_in_flight"] == 1000
+    text = ok(cli("status", dsn=dsn))
+    assert "in flight (live leases) / cap" in text and "2 / 1000" in text
+    assert "done in the last minute" in text
+    assert "(cap: the default 1000; give --max-in-flight or OUTBOX_MAX_IN_FLIGHT" in text
+    # The workers' cap, from the environment they share or the command line.
+    text = ok(cli("status", dsn=dsn, OUTBOX_MAX_IN_FLIGHT="200"))
+    assert "2 / 200" in text and "(cap: the default" not in text
+    snapshot = json.loads(ok(cli("status", "--json", "--max-in-flight", "50", dsn=dsn)))
+    assert snapshot["max_in_flight"] == 50
+
+
+def test_metrics_once_fails_without_the_database_and_hides_the_password(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # libpq's message for a DSN it cannot parse quotes the part it choked on:
+    # here the password's tail. The scrape still prints (outbox_database_up 0),
+    # and exits 1 so a script notices.
+    bad = make_conninfo(dsn, password="x") + " hunter2tail dbname=nope"
+    result = cli("metrics", "--once", dsn=bad)
+    assert result.exit_code == 1, result.output
+    assert "outbox_database_up 0.0" in result.stdout
+    assert "could not read public.outbox (outbox_database_up 0)" in result.stderr
+    assert "hunter2tail" not in result.output + caplog.text
+    assert "metrics scrape could not read public.outbox: ProgrammingError" in caplog.text
 
 
 def test_dead_and_purge_name_the_table_they_acted_on(
@@ -529,6 +648,7 @@ def test_purge_deletes_old_done_rows_in_batches(dsn: str, conn: psycopg.Connecti
     assert "stopped at --max-batches, more are left (run it again)" in first
     rest = ok(cli("purge", "--older-than", "7d", "--batch-size", "3", dsn=dsn))
     assert "purged 4 done message(s)" in rest and "in 2 batch(es)" in rest  # 3 + 1
+    assert re.search(r"in 2 batch\(es\) of at most 3, \d+\.\d\ds$", rest.strip()), rest
     assert "more are left" not in rest
     left = {r[0]: r[1] for r in conn.execute("SELECT id, status FROM outbox")}
     assert set(left) == {*recent_ids, dead, pending}
@@ -580,7 +700,7 @@ def test_installed_script_status_json(dsn: str, conn: psycopg.Connection[Any]) -
     assert done.returncode == 0, done.stderr
     snapshot = json.loads(done.stdout)
     assert 10800 <= snapshot.pop("oldest_pending_age_seconds") < 10860
-    assert snapshot == EXPECTED
+    assert snapshot == {**EXPECTED, **STATUS_ONLY}
 
 
 def celery_outbox(args: tuple[str, ...], **app_env: str) -> subprocess.CompletedProcess[str]:

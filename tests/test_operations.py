@@ -202,3 +202,47 @@ def test_the_oldest_wait_of_a_row_written_before_migration_8(
         refund_attempt=False, now=at,
     )  # fmt: skip
     assert 1495 <= oldest_at(conn, start + timedelta(minutes=25)) <= 1505
+
+
+def test_dead_retry_limit_and_spread(conn: psycopg.Connection[Any]) -> None:
+    # The oldest `limit` matches, due evenly over `spread` in id order, each
+    # waiting from its own due time (the oldest-wait alert never counts the
+    # spread); the rest stay dead.
+    at = db_now(conn)
+    ids = add(conn, at=at, n=5)
+    make_dead(conn, ids, at, "retryable: HTTP 503")
+    where = operations.DeadFilter(event_type="order.created")
+    assert operations.dead_count(conn, where=where) == 5
+    assert operations.dead_count(conn, where=operations.DeadFilter(event_type="x")) == 0
+    retried = operations.dead_retry(
+        conn, all_dead=True, where=where, limit=4, spread=timedelta(minutes=4), now=at
+    )
+    assert retried == ids[:4]
+    rows = [store.get_row(conn, i) for i in ids]
+    assert rows[4] is not None and rows[4]["status"] == "dead"
+    due = [r["available_at"] for r in rows[:4] if r is not None]
+    assert due == [at + timedelta(minutes=m) for m in range(4)]
+    assert [r["waiting_since"] for r in rows[:4] if r is not None] == due
+    assert operations.dead_count(conn) == 1
+    with pytest.raises(ValueError, match="limit"):
+        operations.dead_retry(conn, all_dead=True, limit=0)
+    with pytest.raises(ValueError, match="spread"):
+        operations.dead_retry(conn, all_dead=True, spread=timedelta(seconds=-1))
+
+
+def test_dead_skip_all_and_done_recently(conn: psycopg.Connection[Any]) -> None:
+    at = db_now(conn)
+    paid = add(conn, at=at, event_type="order.paid", n=3)
+    sent = add(conn, at=at, event_type="invoice.sent")
+    make_dead(conn, [*paid, *sent], at, "permanent: HTTP 400")
+    with pytest.raises(ValueError, match="ids to skip"):
+        operations.dead_skip(conn)
+    where = operations.DeadFilter(event_type="order.paid")
+    assert operations.dead_skip(conn, all_dead=True, where=where, limit=2, now=at) == paid[:2]
+    assert operations.dead_skip(conn, all_dead=True, where=where, now=at) == paid[2:]
+    assert operations.dead_count(conn) == 1  # invoice.sent is left
+    # A skip is a done: it counts in the last minute's rate, and leaves it after.
+    assert operations.done_recently(conn, now=at + timedelta(seconds=30)) == 3
+    assert operations.done_recently(conn, now=at + timedelta(minutes=2)) == 0
+    status = operations.status(conn, now=at + timedelta(seconds=30))
+    assert status["done_last_minute"] == 3 and status["in_flight"] == 0

@@ -294,7 +294,7 @@ def test_operator_does_dead_letter_work_without_reading_or_writing_messages(
     assert [r["id"] for r in listed] == ids[:3]
     run("dead", "retry", str(ids[0]))
     run("dead", "skip", str(ids[1]))
-    run("dead", "retry", "--all")
+    run("dead", "retry", "--all", "--spread", "1m", "--yes")
     assert "purged 1 done message(s)" in run("purge", "--older-than", "7d")
     gauges = OutboxCollector(operator_dsn).read()  # the metrics exporter
     assert (gauges.pending, gauges.dead) == (2, 0)

@@ -11,6 +11,7 @@ and ``~/.pgpass``."""
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,11 +34,13 @@ __all__ = [
     "CliState",
     "Duration",
     "command_options",
+    "confirm",
     "console",
     "group_options",
     "parse_duration",
     "pass_state",
     "setup",
+    "yes_option",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -86,6 +89,40 @@ class Duration(_DurationBase):
             self.fail(str(exc), param, ctx)
 
 
+def _interactive() -> bool:
+    """Whether a person can answer a prompt: stdin is a terminal."""
+    return sys.stdin.isatty()
+
+
+def confirm(action: str, yes: bool) -> None:
+    """Ask before ``action`` (a phrase: "retry 40 dead message(s) in ...") changes
+    many rows; ``--yes`` answers. The question goes to stderr.
+
+    Without a terminal on stdin (cron, a pipe, CI) nobody can answer, and a
+    prompt would hang or read end-of-file: the command stops instead, exit
+    status 2, naming ``--yes``. A "no" changes nothing, exit status 1.
+    """
+    if yes:
+        return
+    if not _interactive():
+        raise click.UsageError(
+            f"confirmation needed to {action}; stdin is not a terminal, so nothing was "
+            "asked or changed: pass --yes to do it from a script"
+        )
+    if not click.confirm(f"{action[:1].upper()}{action[1:]}?", default=False, err=True):
+        raise click.ClickException("not confirmed: nothing changed")
+
+
+def yes_option(fn: F) -> F:
+    """``--yes`` / ``-y``: confirm without a prompt (required without a terminal)."""
+    return click.option(
+        "--yes",
+        "-y",
+        is_flag=True,
+        help="Do it without asking (needed when stdin is not a terminal: cron, scripts).",
+    )(fn)
+
+
 def console(stderr: bool = False) -> Console:
     # Made per call: click's CliRunner swaps sys.stdout between invocations.
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
@@ -127,6 +164,10 @@ class CliState:
             except ConfigError as exc:
                 raise click.ClickException(f"the Celery app's outbox settings: {exc}") from None
         return self._settings
+
+    def relay_max_in_flight(self) -> int | None:
+        """The Celery app's ``OUTBOX_MAX_IN_FLIGHT`` under ``celery -A APP outbox``, else None."""
+        return self._app_settings().max_in_flight if self.app is not None else None
 
     def maybe_dsn(self) -> str | None:
         on_command_line = self.dsn_on_command_line or self.dsn_file_on_command_line

@@ -8,11 +8,12 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import click
+import psycopg
 from rich.table import Table
 
 from .. import operations
 from ..table import OutboxTable
-from .common import CliState, Duration, command_options, console, pass_state
+from .common import CliState, Duration, command_options, confirm, console, pass_state, yes_option
 
 __all__ = ["dead_group"]
 
@@ -56,7 +57,8 @@ def _filter_options(fn: F) -> F:
                 "--older-than",
                 type=Duration(),
                 default=None,
-                help="Only messages created longer ago than this (7d, 12h, 30m, 45s).",
+                help="Only messages written longer ago than this (7d, 12h, 30m, 45s): "
+                "created_at, as the table records no time of death.",
             ),
         ]
     ):
@@ -88,6 +90,12 @@ def dead_list_command(
     where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
     with state.connect() as conn:
         rows = operations.dead_list(conn, where=where, limit=limit, table=state.table)
+        # A full page: how many match in all, beyond it (--json stays an array).
+        total = (
+            operations.dead_count(conn, where=where, table=state.table)
+            if len(rows) == limit and not as_json
+            else len(rows)
+        )
     if as_json:
         click.echo(json.dumps([r.as_json() for r in rows], indent=2))
         return
@@ -114,8 +122,11 @@ def dead_list_command(
     out.print(table)
     if cut:
         out.print(f"(last errors cut to {ERROR_SHOWN} characters; --json shows them whole)")
-    if len(rows) == limit:
-        out.print(f"(first {limit}; raise --limit or narrow the filters for more)")
+    if total > len(rows):
+        out.print(
+            f"(the first {len(rows)} of {total} that match; raise --limit or narrow "
+            "the filters for more)"
+        )
 
 
 def _report(verb: str, changed: list[int], asked: tuple[int, ...], table: OutboxTable) -> None:
@@ -139,10 +150,60 @@ def _ids(ids: list[int]) -> str:
     return shown + (f" ... ({len(ids)} in all)" if len(ids) > 50 else "")
 
 
+def _describe(where: operations.DeadFilter) -> str:
+    """The filters, as the confirmation question names them."""
+    named = [
+        f"{label} {value}"
+        for label, value in (
+            ("event type", where.event_type),
+            ("aggregate type", where.aggregate_type),
+            ("aggregate id", where.aggregate_id),
+        )
+        if value is not None
+    ]
+    if where.older_than is not None:
+        named.append(
+            f"written over {operations.human_duration(where.older_than.total_seconds())} ago"
+        )
+    return f" ({', '.join(named)})" if named else ""
+
+
+def _check_selection(
+    verb: str, ids: tuple[int, ...], all_dead: bool, filtered: bool, limit: int | None
+) -> None:
+    if ids and all_dead:
+        raise click.UsageError("give message IDs or --all, not both")
+    if not ids and not all_dead:
+        raise click.UsageError(f"give the IDs of dead messages to {verb}, or --all")
+    if (filtered or limit is not None) and not all_dead:
+        raise click.UsageError(
+            "the filters and --limit select messages for --all; with IDs, drop them"
+        )
+
+
+def _limit_option(fn: F) -> F:
+    return click.option(
+        "--limit",
+        type=click.IntRange(min=1),
+        default=None,
+        help="With --all: only the oldest this many matches (by id); run again for the next.",
+    )(fn)
+
+
 @dead_group.command("retry", cls=_IdsCommand)
 @click.argument("ids", nargs=-1, type=MESSAGE_ID)
 @click.option("--all", "all_dead", is_flag=True, help="Every dead message the filters match.")
 @_filter_options
+@_limit_option
+@click.option(
+    "--spread",
+    type=Duration(),
+    default="0s",
+    show_default=True,
+    help="Make them due evenly over this long, oldest first, instead of all at once "
+    "(e.g. 10m): a receiver that just recovered gets the backlog at a pace.",
+)
+@yes_option
 @command_options()
 @pass_state
 def dead_retry_command(
@@ -153,37 +214,99 @@ def dead_retry_command(
     aggregate_type: str | None,
     aggregate_id: str | None,
     older_than: timedelta | None,
+    limit: int | None,
+    spread: timedelta,
+    yes: bool,
 ) -> None:
-    """Send dead messages back to pending, due now, attempts reset to 0.
+    """Send dead messages back to pending, attempts reset to 0.
 
-    last_error is kept so the reason stays visible until the next attempt
-    records its own. The filters apply with --all.
+    They are due now, or spread over --spread. last_error is kept so the
+    reason stays visible until the next attempt records its own. The
+    filters and --limit apply with --all, which asks first (--yes answers).
     """
-    filtered = any(v is not None for v in (event_type, aggregate_type, aggregate_id, older_than))
-    if ids and all_dead:
-        raise click.UsageError("give message IDs or --all, not both")
-    if not ids and not all_dead:
-        raise click.UsageError("give the IDs of dead messages to retry, or --all")
-    if filtered and not all_dead:
-        raise click.UsageError("the filters select messages for --all; with IDs, drop them")
     where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
+    _check_selection("retry", ids, all_dead, where != operations.DeadFilter(), limit)
     with state.connect() as conn:
+        if all_dead:
+            pace = (
+                f"due evenly over {operations.human_duration(spread.total_seconds())}"
+                if spread
+                else "all due at once (--spread paces them)"
+            )
+            _confirm_all(conn, state, "retry", where, limit, pace, yes)
         changed = operations.dead_retry(
-            conn, None if all_dead else ids, all_dead=all_dead, where=where, table=state.table
+            conn,
+            None if all_dead else ids,
+            all_dead=all_dead,
+            where=where,
+            limit=limit,
+            spread=spread,
+            table=state.table,
         )
     _report("retried", changed, ids, state.table)
+    if changed and spread:
+        click.echo(
+            f"(due from now until {operations.human_duration(spread.total_seconds())} "
+            "from now, oldest first)"
+        )
+
+
+def _confirm_all(
+    conn: psycopg.Connection[Any],
+    state: CliState,
+    verb: str,
+    where: operations.DeadFilter,
+    limit: int | None,
+    how: str,
+    yes: bool,
+) -> None:
+    """--all changes every match at once: say how many and ask (nothing to ask for none)."""
+    matching = operations.dead_count(conn, where=where, table=state.table)
+    count = matching if limit is None else min(matching, limit)
+    if count:
+        confirm(
+            f"{verb} {count} dead message(s) in {state.table.qualified}{_describe(where)}, {how}",
+            yes,
+        )
 
 
 @dead_group.command("skip", cls=_IdsCommand)
-@click.argument("ids", nargs=-1, type=MESSAGE_ID, required=True)
+@click.argument("ids", nargs=-1, type=MESSAGE_ID)
+@click.option("--all", "all_dead", is_flag=True, help="Every dead message the filters match.")
+@_filter_options
+@_limit_option
+@yes_option
 @command_options()
 @pass_state
-def dead_skip_command(state: CliState, ids: tuple[int, ...]) -> None:
+def dead_skip_command(
+    state: CliState,
+    ids: tuple[int, ...],
+    all_dead: bool,
+    event_type: str | None,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    older_than: timedelta | None,
+    limit: int | None,
+    yes: bool,
+) -> None:
     """Mark dead messages done without delivering them.
 
     For an ordered aggregate blocked by a dead head that can never be sent:
-    its next message becomes claimable. last_error records the skip.
+    its next message becomes claimable. last_error records the skip. The
+    filters and --limit apply with --all, which asks first (--yes answers).
     """
+    where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
+    _check_selection("skip", ids, all_dead, where != operations.DeadFilter(), limit)
     with state.connect() as conn:
-        changed = operations.dead_skip(conn, ids, table=state.table)
+        if all_dead:
+            how = "marking them done unsent"
+            _confirm_all(conn, state, "skip", where, limit, how, yes)
+        changed = operations.dead_skip(
+            conn,
+            None if all_dead else ids,
+            all_dead=all_dead,
+            where=where,
+            limit=limit,
+            table=state.table,
+        )
     _report("skipped", changed, ids, state.table)

@@ -30,7 +30,11 @@ __all__ = ["metrics_command"]
     show_default=True,
     help="Read the queue gauges from the database (use --no-database on all exporters but one).",
 )
-@click.option("--once", is_flag=True, help="Print one scrape to stdout and exit.")
+@click.option(
+    "--once",
+    is_flag=True,
+    help="Print one scrape to stdout and exit (status 1 when the database could not be read).",
+)
 @command_options()
 @pass_state
 def metrics_command(state: CliState, port: int, addr: str, database: bool, once: bool) -> None:
@@ -54,6 +58,13 @@ def metrics_command(state: CliState, port: int, addr: str, database: bool, once:
         finally:
             if collector is not None:
                 collector.close()
+        if collector is not None and not collector.up:
+            # The scrape is printed all the same (outbox_database_up 0); a
+            # script must still notice that the queue gauges are missing.
+            raise click.ClickException(
+                f"could not read {table.qualified} (outbox_database_up 0): "
+                "the queue gauges are missing"
+            )
         return
     stop = threading.Event()
     # SIGTERM (docker stop, Kubernetes) ends it like Ctrl-C. As a container's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import click
@@ -31,7 +32,12 @@ __all__ = ["purge_command"]
 def purge_command(
     state: CliState, older_than: timedelta, batch_size: int, max_batches: int | None
 ) -> None:
-    """Delete old done messages in bounded batches, each committed on its own."""
+    """Delete old done messages in bounded batches, each committed on its own.
+
+    Prints how many went, in how many batches and how long it took. Dead,
+    pending and processing messages are never deleted.
+    """
+    started = time.monotonic()
     with state.connect() as conn:
         result = operations.purge(
             conn,
@@ -43,6 +49,7 @@ def purge_command(
     click.echo(
         f"purged {result.deleted} done message(s) from {state.table.qualified} finished before "
         f"{result.cutoff.isoformat(timespec='seconds')} "
-        f"in {result.batches} batch(es) of at most {batch_size}"
+        f"in {result.batches} batch(es) of at most {batch_size}, "
+        f"{time.monotonic() - started:.2f}s"
         + ("; stopped at --max-batches, more are left (run it again)" if result.more_left else "")
     )

@@ -71,6 +71,17 @@ SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, operation
   FROM {table}
  WHERE id = %(id)s;
 
+-- name: op_done_recently
+-- Messages finished (done) within %(within)s of now, for `outbox-relay
+-- status`'s rate: a range of the done partial index (done_at), never the
+-- whole table. Not in op_stats: the metrics scrape has its own counters for
+-- the rate, and at tens of thousands a second a minute's range is a count
+-- worth paying for a person's command, not for every scrape.
+SELECT count(*)
+  FROM {table}
+ WHERE status = 'done'
+   AND done_at > coalesce(%(now)s::timestamptz, now()) - %(within)s::interval;
+
 -- name: op_attempts_distribution
 -- Attempts spent by the messages still awaiting delivery. Each status walks
 -- its own partial index (ready, leased), never the finished rows.
@@ -82,7 +93,10 @@ SELECT attempts, count(*) AS messages
 
 -- name: op_dead_list
 -- Dead messages, oldest id first. NULL filters match all; %(older_than)s
--- compares created_at (the table has no "died at" column).
+-- compares created_at: the table records when a message was written, not
+-- when it died (a dead row's done_at is NULL, and available_at is when its
+-- last attempt fell due), so "older than 1h" means written over an hour ago.
+-- The same filters as op_dead_count, op_dead_retry and op_dead_skip.
 -- The dead rows are gathered first (MATERIALIZED: through the unfinished-rows
 -- partial index) and only then sorted. With "ORDER BY id LIMIT n" on the table
 -- itself the planner, once dead rows were a fraction of a percent of the
@@ -106,37 +120,90 @@ SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
  ORDER BY id
  LIMIT %(limit)s;
 
+-- name: op_dead_count
+-- How many dead rows op_dead_list's filters match, beyond the page it shows,
+-- and what `dead retry|skip --all` asks a person to confirm. The dead rows
+-- only, through the unfinished-rows partial index.
+SELECT count(*)
+  FROM {table}
+ WHERE status = 'dead'
+   AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+   AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+   AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+   AND (%(older_than)s::interval IS NULL
+        OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval);
+
 -- name: op_dead_retry
--- dead -> pending, due now, with a fresh attempt budget; it waits from now
--- (waiting_since: its time as dead is the dead alert's). %(ids)s NULL means
--- every dead row the filters match. lease_version is left alone on purpose:
--- it is the fencing token and must only ever grow. last_error is kept, so the
--- reason it died stays visible until the next attempt writes its own result.
+-- dead -> pending with a fresh attempt budget. %(ids)s NULL means every dead
+-- row the filters match, oldest id first, at most %(limit)s (NULL: all).
+-- Due now, or with %(spread)s spread evenly over that long in id order (the
+-- first now, the last just before now + spread), so a receiver that just
+-- recovered is not met by the whole backlog at once; an ordered aggregate's
+-- rows stay in their order. Each waits from when it falls due
+-- (waiting_since: its time as dead is the dead alert's, and a row scheduled
+-- for later does not count before then). The rows are locked and numbered
+-- first (FOR UPDATE cannot go with the window functions). lease_version is
+-- left alone on purpose: it is the fencing token and must only ever grow.
+-- last_error is kept, so the reason it died stays visible until the next
+-- attempt writes its own result.
+WITH picked AS (
+    SELECT id
+      FROM {table}
+     WHERE status = 'dead'
+       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+       AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+       AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+       AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+       AND (%(older_than)s::interval IS NULL
+            OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+     ORDER BY id
+     LIMIT %(limit)s::bigint
+       FOR UPDATE
+), numbered AS (
+    SELECT id,
+           coalesce(%(now)s::timestamptz, now())
+             + %(spread)s::interval * ((row_number() OVER (ORDER BY id) - 1)::float8
+                                       / count(*) OVER ()) AS due
+      FROM picked
+)
 UPDATE {table} AS o
    SET status        = 'pending',
        attempts      = 0,
-       available_at  = coalesce(%(now)s::timestamptz, now()),
-       waiting_since = coalesce(%(now)s::timestamptz, now())
- WHERE o.status = 'dead'
-   AND (%(ids)s::bigint[] IS NULL OR o.id = ANY(%(ids)s::bigint[]))
-   AND (%(event_type)s::text IS NULL OR o.event_type = %(event_type)s::text)
-   AND (%(aggregate_type)s::text IS NULL OR o.aggregate_type = %(aggregate_type)s::text)
-   AND (%(aggregate_id)s::text IS NULL OR o.aggregate_id = %(aggregate_id)s::text)
-   AND (%(older_than)s::interval IS NULL
-        OR o.created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+       available_at  = numbered.due,
+       waiting_since = numbered.due
+  FROM numbered
+ WHERE o.id = numbered.id
+   AND o.status = 'dead'
 RETURNING o.id;
 
 -- name: op_dead_skip
 -- dead -> done without delivering, to unblock an ordered aggregate whose head
 -- cannot be sent. last_error says so, because "done" alone would claim the
 -- receiver got it; done_at makes the row eligible for purge like any other.
+-- %(ids)s NULL means every dead row the filters match, oldest id first, at
+-- most %(limit)s (NULL: all), as op_dead_retry.
+WITH picked AS (
+    SELECT id
+      FROM {table}
+     WHERE status = 'dead'
+       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+       AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+       AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+       AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+       AND (%(older_than)s::interval IS NULL
+            OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+     ORDER BY id
+     LIMIT %(limit)s::bigint
+       FOR UPDATE
+)
 UPDATE {table} AS o
    SET status     = 'done',
        done_at    = coalesce(%(now)s::timestamptz, now()),
        last_error = left('skipped by an operator, not delivered; last error: '
                          || coalesce(o.last_error, 'none'), %(max_error)s::int)
- WHERE o.status = 'dead'
-   AND o.id = ANY(%(ids)s::bigint[])
+  FROM picked
+ WHERE o.id = picked.id
+   AND o.status = 'dead'
 RETURNING o.id;
 
 -- name: op_purge_cutoff

@@ -24,6 +24,7 @@ from ..table import OutboxTable
 from ._base import MAX_ERROR_LENGTH, TableLike, queries, statement_tx, tableless
 
 __all__ = [
+    "RATE_WINDOW",
     "STATS_KEYS",
     "DeadFilter",
     "DeadRow",
@@ -32,9 +33,11 @@ __all__ = [
     "RoleKind",
     "attempts_distribution",
     "create_demo_orders",
+    "dead_count",
     "dead_list",
     "dead_retry",
     "dead_skip",
+    "done_recently",
     "gauges",
     "get_row",
     "grants",
@@ -52,6 +55,8 @@ _GRANT_QUERIES = {
     "relay": "op_grant_relay",
     "operator": "op_grant_operator",
 }
+# status()'s rate: messages done within this long of now.
+RATE_WINDOW = timedelta(minutes=1)
 STATS_KEYS = (
     "pending",
     "processing",
@@ -111,19 +116,40 @@ def attempts_distribution(
     return {int(attempts): int(n) for attempts, n in rows}
 
 
+def done_recently(
+    conn: psycopg.Connection[Any],
+    *,
+    within: timedelta = RATE_WINDOW,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> int:
+    """How many messages were finished (``done``, skips included) within ``within`` of now."""
+    with statement_tx(conn):
+        row = conn.execute(
+            queries(table).op_done_recently, {"within": within, "now": now}
+        ).fetchone()
+    assert row is not None  # an aggregate always returns one row
+    return int(row[0])
+
+
 def status(
     conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
 ) -> dict[str, Any]:
     """What ``outbox-relay status --json`` prints: ``stats()`` plus ``attempts``
-    (an object keyed by the attempt count as a string, as JSON needs).
+    (an object keyed by the attempt count as a string, as JSON needs),
+    ``in_flight`` (processing rows whose lease is live: what the in-flight cap
+    counts) and ``done_last_minute`` (``done_recently``).
     ``oldest_pending_age_seconds`` is None when nothing awaits delivery (the
     query's 0; the gauge keeps the 0)."""
     found = stats(conn, table=table, now=now)
     attempts = attempts_distribution(conn, table=table)
+    recent = done_recently(conn, table=table, now=now)
     return {
         **{key: int(found[key]) for key in ("pending", "processing", "done", "dead")},
         "oldest_pending_age_seconds": float(found["oldest_pending_age_seconds"]) or None,
         "expired_leases": int(found["expired_leases"]),
+        "in_flight": int(found["processing"]) - int(found["expired_leases"]),
+        "done_last_minute": recent,
         "attempts": {str(k): v for k, v in sorted(attempts.items())},
     }
 
@@ -134,7 +160,8 @@ class DeadFilter:
     """Which dead rows to act on; ``None`` fields match everything.
 
     ``older_than`` compares ``created_at``: the table records when a message
-    was written, not when it died.
+    was written, not when it died (no column holds that: a dead row's
+    ``done_at`` is NULL), so it selects messages *written* longer ago.
     """
 
     event_type: str | None = None
@@ -195,6 +222,45 @@ def dead_list(
     return [DeadRow(*row) for row in rows]
 
 
+def dead_count(
+    conn: psycopg.Connection[Any],
+    *,
+    where: DeadFilter | None = None,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> int:
+    """How many dead messages match ``where`` (``dead_list`` shows a page of them)."""
+    params = {**(where or DeadFilter()).params(), "now": now}
+    with statement_tx(conn):
+        row = conn.execute(queries(table).op_dead_count, params).fetchone()
+    assert row is not None  # an aggregate always returns one row
+    return int(row[0])
+
+
+def _selection(
+    verb: str,
+    ids: Collection[int] | None,
+    all_dead: bool,
+    where: DeadFilter | None,
+    limit: int | None,
+) -> dict[str, Any] | None:
+    """The parameters that pick the rows of ``dead_retry`` / ``dead_skip``;
+    None when ``ids`` is empty (nothing to do)."""
+    if all_dead and ids is not None:
+        raise ValueError(f"give dead_{verb} ids or all_dead=True, not both")
+    if not all_dead and ids is None:
+        raise ValueError(f"give dead_{verb} the ids to {verb}, or all_dead=True")
+    if limit is not None and limit <= 0:
+        raise ValueError("limit must be greater than 0 (None: no limit)")
+    if ids is not None and not ids:
+        return None
+    return {
+        **(where or DeadFilter()).params(),
+        "ids": None if ids is None else sorted({int(i) for i in ids}),
+        "limit": limit,
+    }
+
+
 def _changed_and_notified(
     conn: psycopg.Connection[Any], query: str, params: dict[str, Any], table: TableLike
 ) -> list[int]:
@@ -214,45 +280,50 @@ def dead_retry(
     *,
     all_dead: bool = False,
     where: DeadFilter | None = None,
+    limit: int | None = None,
+    spread: timedelta = timedelta(0),
     table: TableLike = None,
     now: datetime | None = None,
 ) -> list[int]:
-    """Send dead rows back to ``pending``, due now, with ``attempts`` reset to 0.
+    """Send dead rows back to ``pending`` with ``attempts`` reset to 0.
 
-    Give ``ids``, or ``all_dead=True`` (every dead row, narrowed by ``where``).
-    ``last_error`` is kept: it says why the row died until the next attempt
-    records its own result. Returns the ids changed; an id missing from the
-    result was not dead (or does not exist).
+    Give ``ids``, or ``all_dead=True`` (every dead row, narrowed by ``where``;
+    the oldest ``limit`` of them when given). They are due now, or spread
+    evenly over ``spread`` in id order, so a receiver that just recovered is
+    not sent the whole backlog at once. ``last_error`` is kept: it says why
+    the row died until the next attempt records its own result. Returns the
+    ids changed; an id missing from the result was not dead (or does not exist).
     """
-    if all_dead and ids is not None:
-        raise ValueError("give dead_retry ids or all_dead=True, not both")
-    if not all_dead and ids is None:
-        raise ValueError("give dead_retry the ids to retry, or all_dead=True")
-    if ids is not None and not ids:
+    if spread < timedelta(0):
+        raise ValueError("spread must not be negative")
+    params = _selection("retry", ids, all_dead, where, limit)
+    if params is None:
         return []
-    params = {
-        **(where or DeadFilter()).params(),
-        "ids": None if ids is None else sorted({int(i) for i in ids}),
-        "now": now,
-    }
+    params.update(spread=spread, now=now)
     return _changed_and_notified(conn, queries(table).op_dead_retry, params, table)
 
 
 def dead_skip(
     conn: psycopg.Connection[Any],
-    ids: Collection[int],
+    ids: Collection[int] | None = None,
     *,
+    all_dead: bool = False,
+    where: DeadFilter | None = None,
+    limit: int | None = None,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> list[int]:
     """Mark dead rows ``done`` without delivering them (unblocks an ordered aggregate).
 
+    Give ``ids``, or ``all_dead=True`` (every dead row, narrowed by ``where``;
+    the oldest ``limit`` of them when given), as for ``dead_retry``.
     ``last_error`` records that an operator skipped the row; it is never sent.
     Returns the ids changed.
     """
-    if not ids:
+    params = _selection("skip", ids, all_dead, where, limit)
+    if params is None:
         return []
-    params = {"ids": sorted({int(i) for i in ids}), "max_error": MAX_ERROR_LENGTH, "now": now}
+    params.update(max_error=MAX_ERROR_LENGTH, now=now)
     return _changed_and_notified(conn, queries(table).op_dead_skip, params, table)
 
 
