@@ -138,15 +138,18 @@ def database(admin_dsn: str) -> Iterator[str]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def commit_outbox(dsn: str, n: int) -> datetime:
+def commit_outbox(dsn: str, n: int, *, ordered_aggregates: int = 0) -> datetime:
     """Commit ``n`` messages in one transaction (with the producer's NOTIFY);
-    return the database's clock just after the commit."""
+    return the database's clock just after the commit. ``ordered_aggregates``:
+    ordered rows (as the producer marks them), spread over that many
+    aggregates in turn; 0: unordered rows, one aggregate each."""
     with psycopg.connect(dsn) as conn:
         conn.execute(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
-            " SELECT 'order', g::text, 'order.created', jsonb_build_object('order', g)"
-            " FROM generate_series(1, %s) AS g",
-            (n,),
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, ordered)"
+            " SELECT 'order', (CASE WHEN %(aggs)s > 0 THEN g %% %(aggs)s ELSE g END)::text,"
+            " 'order.created', jsonb_build_object('order', g), %(aggs)s > 0"
+            " FROM generate_series(1, %(n)s) AS g",
+            {"n": n, "aggs": ordered_aggregates},
         )
         conn.execute("SELECT pg_notify(%s, '')", (OutboxTable.parse(None).channel,))
         conn.commit()
@@ -517,9 +520,11 @@ def relay(
     chunk: int,
     publisher: str = "noop",
     env_extra: dict[str, str] | None = None,
+    ordered_aggregates: int = 0,
     **settings: Any,
 ) -> Figure:
-    """The relay as the docs start it: worker + beat, then ``n`` rows in one commit."""
+    """The relay as the docs start it: worker + beat, then ``n`` rows in one
+    commit (ordered over ``ordered_aggregates`` aggregates, see commit_outbox)."""
     with database(b.admin) as dsn:
         redis_client(b.broker).delete("outbox")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
@@ -549,7 +554,7 @@ def relay(
             cpu.begin()
             rss: list[float] = []
             conns: list[int] = []
-            committed = commit_outbox(dsn, n)
+            committed = commit_outbox(dsn, n, ordered_aggregates=ordered_aggregates)
             window_start = time.time()
             deadline = time.monotonic() + b.deadline
             next_sample = 0.0
@@ -930,7 +935,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="groups: ceiling,per-message,chunked,retries,loops,pgqueuer,latency,durable,canvas",
+        help="groups: ceiling,per-message,chunked,retries,ordered,loops,pgqueuer,latency,"
+        "durable,canvas",
     )
     parser.add_argument(
         "--canvas-messages", type=int, default=5_000, help="canvas: business transactions"
@@ -1025,6 +1031,22 @@ def main(argv: list[str] | None = None) -> int:
                         **_chunk_settings(50),
                     ),
                 )
+            if want("ordered") and not args.quick:
+                # Ordered rows: each aggregate's next message is claimable only
+                # once the one before it is done. Many shallow aggregates, then
+                # a few deep ones (docs/benchmarks.md, "Ordered delivery").
+                for aggregates, count in ((1000, bulk // 4), (10, 2_000)):
+                    record(
+                        f"ordered_{aggregates}",
+                        relay(
+                            b,
+                            count,
+                            name=f"relay chunked (50), ordered over {aggregates} aggregates",
+                            chunk=50,
+                            ordered_aggregates=aggregates,
+                            **_chunk_settings(50),
+                        ),
+                    )
             if want("loops"):
                 record(
                     "literal",
