@@ -91,6 +91,18 @@ SELECT attempts, count(*) AS messages
  GROUP BY attempts
  ORDER BY attempts;
 
+-- name: frag_dead_match
+-- Not a statement: the condition that picks dead rows by DeadFilter (NULL
+-- filters match all), written into op_dead_list, op_dead_count,
+-- op_dead_retry and op_dead_skip as {frag_dead_match}. %(older_than)s
+-- compares created_at (see op_dead_list).
+status = 'dead'
+AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+AND (%(older_than)s::interval IS NULL
+     OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval);
+
 -- name: op_dead_list
 -- Dead messages, oldest id first. NULL filters match all; %(older_than)s
 -- compares created_at: the table records when a message was written, not
@@ -107,12 +119,7 @@ WITH dead AS MATERIALIZED (
     SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
            created_at, last_error, operation_key
       FROM {table}
-     WHERE status = 'dead'
-       AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
-       AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
-       AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
-       AND (%(older_than)s::interval IS NULL
-            OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
+     WHERE {frag_dead_match}
 )
 SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
        created_at, last_error, operation_key
@@ -126,12 +133,7 @@ SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
 -- only, through the unfinished-rows partial index.
 SELECT count(*)
   FROM {table}
- WHERE status = 'dead'
-   AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
-   AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
-   AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
-   AND (%(older_than)s::interval IS NULL
-        OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval);
+ WHERE {frag_dead_match};
 
 -- name: op_dead_retry
 -- dead -> pending with a fresh attempt budget. %(ids)s NULL means every dead
@@ -149,13 +151,8 @@ SELECT count(*)
 WITH picked AS (
     SELECT id
       FROM {table}
-     WHERE status = 'dead'
+     WHERE {frag_dead_match}
        AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-       AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
-       AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
-       AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
-       AND (%(older_than)s::interval IS NULL
-            OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
      ORDER BY id
      LIMIT %(limit)s::bigint
        FOR UPDATE
@@ -185,13 +182,8 @@ RETURNING o.id;
 WITH picked AS (
     SELECT id
       FROM {table}
-     WHERE status = 'dead'
+     WHERE {frag_dead_match}
        AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-       AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
-       AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
-       AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
-       AND (%(older_than)s::interval IS NULL
-            OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval)
      ORDER BY id
      LIMIT %(limit)s::bigint
        FOR UPDATE

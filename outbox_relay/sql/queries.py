@@ -46,8 +46,12 @@ def _identifiers(table: OutboxTable) -> dict[str, sql.Composable]:
 
 def _render(text: str, table: OutboxTable) -> str:
     # Rendered once per table and cached: the hot path then sends a constant
-    # string, which psycopg can prepare server-side.
-    return sql.SQL(text).format(**_identifiers(table)).as_string()
+    # string, which psycopg can prepare server-side. A query named frag_*
+    # is a piece of others, written into them where they name it.
+    fragments = {
+        name: sql.SQL(body) for name, body in raw_queries().items() if name.startswith("frag_")
+    }
+    return sql.SQL(text).format(**_identifiers(table), **fragments).as_string()
 
 
 @cache
