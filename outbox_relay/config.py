@@ -660,7 +660,22 @@ class Settings(ProducerSettings):
     idempotency_key_prefix: str = "outbox-"
     queue: str = "outbox"
     listen: bool = True
+    # The LISTEN connection's DSN (None: dsn). Behind a pooler in transaction
+    # mode the listening session goes back to the pooler's pool after the
+    # LISTEN statement, and notifications reach another client or none: the
+    # listener needs a direct connection to PostgreSQL.
+    listen_dsn: str | None = None  # may hold a password: masked in repr
     pool_size: int = 4
+    # True: dsn reaches PostgreSQL through a pooler in transaction mode
+    # (PgBouncer's pool_mode = transaction), where consecutive statements of
+    # one client may run in different server sessions. The relay's
+    # connections then prepare no statement on the server (a statement
+    # prepared in one server session was executed in another: "prepared
+    # statement _pg3_1 does not exist", or another client's statement of the
+    # same name) and set no session setting (a SET stays with the server
+    # session, and so reached other clients of the pooler: an application
+    # on the same pool got the relay's statement_timeout of 10 s).
+    transaction_pooling: bool = False
     # The bound of every database call of the relay: waiting for a pooled
     # connection, connecting, each statement, and a silent (half-open) socket.
     # None: 10 s, or a third of the lease when that is shorter.
@@ -741,6 +756,27 @@ class Settings(ProducerSettings):
         worst = self.worst_delivery_seconds
         if worst >= self.lease_seconds:
             raise ConfigError(self._lease_too_short(worst))
+        if self.transaction_pooling:
+            self._check_transaction_pooling()
+
+    def _check_transaction_pooling(self) -> None:
+        """What cannot work through a pooler in transaction mode."""
+        if not self.synchronous_finalize:
+            raise ConfigError(
+                "OUTBOX_SYNCHRONOUS_FINALIZE=false needs a session of the relay's own (it sets "
+                "synchronous_commit for the session); with OUTBOX_TRANSACTION_POOLING=true that "
+                "session is shared with the pooler's other clients, whose commits would stop "
+                "waiting for the WAL flush too. Leave it true, or set synchronous_commit = off "
+                "for a database role of the relay's own (ALTER ROLE ... SET)"
+            )
+        if self.listen and not self.listen_dsn:
+            raise ConfigError(
+                "OUTBOX_LISTEN needs a session of its own, which a pooler in transaction mode "
+                "(OUTBOX_TRANSACTION_POOLING=true) does not keep: notifications would never "
+                "reach the listener. Set OUTBOX_LISTEN_DSN to a direct connection to "
+                "PostgreSQL (or through a pooler in session mode), or OUTBOX_LISTEN=false "
+                "(new rows then wait for beat's claim tick, OUTBOX_CLAIM_INTERVAL_SECONDS)"
+            )
 
     def _lease_too_short(self, worst: float) -> str:
         """What does not fit, and each single setting that would make it fit, with its value."""
@@ -817,3 +853,7 @@ class Settings(ProducerSettings):
                 "(setting outbox_dsn or environment variable OUTBOX_DSN)"
             )
         return self.dsn
+
+    def listen_connection_dsn(self) -> str:
+        """The DSN the NOTIFY listener connects with: listen_dsn, else dsn."""
+        return self.listen_dsn or self.require_dsn()

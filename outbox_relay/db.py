@@ -33,6 +33,7 @@ from .store._base import configure_relay_session, relax_commit
 
 __all__ = [
     "RECONNECT_SECONDS",
+    "UNPREPARED",
     "Database",
     "DirectDatabase",
     "PoolDatabase",
@@ -135,6 +136,18 @@ class Watchdog:
             pass  # already closed: the call is failing anyway
 
 
+# psycopg's connection keyword that keeps every statement unprepared on the
+# server. psycopg prepares a query it has run 5 times (prepare_threshold);
+# through a pooler in transaction mode the next run may reach another server
+# session, which does not have it ("prepared statement _pg3_1 does not
+# exist"), already has one of that name ("already exists") or has another
+# client's statement of that name ("bind message supplies 2 parameters, but
+# prepared statement _pg3_8 requires 10"). Also for connections that run a
+# few statements now and then (the CLI, the metrics exporter), whose
+# statements prepared would save nothing worth that risk.
+UNPREPARED: dict[str, Any] = {"prepare_threshold": None}
+
+
 # How long the pool keeps one series of reconnection attempts going (above):
 # after a database comes back, the relay's next claim finds a connection
 # within a few seconds, whatever the length of the outage.
@@ -176,12 +189,19 @@ class PoolDatabase:
         timeout: float = 10.0,
         max_size: int | None = None,
         session_timeouts: bool = True,
+        transaction_pooling: bool = False,
     ) -> None:
         self.timeout = timeout
 
         def configure(conn: psycopg.Connection[Any]) -> None:
             if not session_timeouts:
                 return  # the user bounds each session (durable task runs)
+            if transaction_pooling:
+                # A session setting would stay with whichever server session
+                # ran it, for the pooler's other clients (Settings.
+                # transaction_pooling): the server's and the role's own
+                # settings apply instead, and the watchdog bounds every call.
+                return
             configure_relay_session(conn, timeout)
             if not synchronous_finalize:
                 # Finalizes stop waiting for the WAL flush; claims still
@@ -190,6 +210,8 @@ class PoolDatabase:
 
         self.watchdog = Watchdog()
         kwargs: dict[str, Any] = {"autocommit": True, **bounded_connection_kwargs(timeout)}
+        if transaction_pooling:
+            kwargs.update(UNPREPARED)
         if not _names_application(dsn):
             # Whose sessions these are in pg_stat_activity (the pool's name
             # holds the pid), unless the DSN names them itself.

@@ -51,6 +51,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from ._redact import connect_error
+from .db import UNPREPARED
 from .model import Claimed, LeaseRef, Outcome
 from .store import ops
 from .store.producer import missing_table
@@ -255,6 +256,10 @@ class OutboxCollector:
             autocommit=True,
             connect_timeout=max(1, int(self.timeout_seconds)),
             application_name="outbox-relay-metrics",
+            # One connection for every scrape: prepared on the server after
+            # five, which a pooler in transaction mode turned into failed
+            # scrapes (outbox_database_up 0) now and then.
+            **UNPREPARED,
         )
 
     def read(self) -> ops.QueueGauges:

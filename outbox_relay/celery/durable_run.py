@@ -184,6 +184,7 @@ def _session(
                 name=f"outbox-relay-runs-{os.getpid()}",
                 timeout=s.database_timeout,
                 session_timeouts=False,
+                transaction_pooling=s.transaction_pooling,
             )
         return services.runs_db.connection()
 
@@ -263,7 +264,10 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     lease = float(task.outbox_lease_seconds or settings.lease_seconds)
     max_run = _max_run(task)
     with _session(services, inst) as conn:
-        _bound(conn, max_run + lease)
+        if not settings.transaction_pooling:
+            # Through a pooler in transaction mode a session setting would
+            # outlive the run in a server session other clients use.
+            _bound(conn, max_run + lease)
         return _tracked(task, inst, _Run(conn, services), ref, lease, max_run, body, args, kwargs)
 
 

@@ -247,7 +247,7 @@ class RelayWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             )
 
         self.listener = NotifyListener(
-            s.require_dsn(), s.outbox_table, trigger, timeout=s.database_timeout
+            s.listen_connection_dsn(), s.outbox_table, trigger, timeout=s.database_timeout
         )
         self.listener.start()
 

@@ -62,7 +62,7 @@ from .identity import identity_of
 from .options import annotations_for, retry_policy, time_limits
 from .wake import WakeSchedule
 
-__all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services", "outbox_for"]
+__all__ = ["STARTUP_WAIT_SECONDS", "Installation", "Services", "outbox_for", "session_advice"]
 
 # How long a worker or beat starting up waits for a database that refuses
 # connections (down, restarting) before it gives up.
@@ -476,6 +476,8 @@ class Installation:
         dsn = self.settings.require_dsn()
         deadline = time.monotonic() + wait_seconds
         role: str | None = None
+        defaults: dict[str, str] = {}
+        database = ""
         # Whose chains the worker writes (see the warning below).
         durable = sorted(name for name, task in self.app.tasks.items() if is_durable(task))
         try:
@@ -493,6 +495,9 @@ class Installation:
                             self._record_identity(store.relay_identity(conn, table=table))
                         inserts = not (durable and exists) or store.may_insert(conn, table=table)
                         lacks = store.relay_lacks(conn, table=table) if exists else []
+                        if self.settings.transaction_pooling:
+                            defaults = store.session_defaults(conn)
+                            database = conn.info.dbname
                     break
                 except psycopg.OperationalError as exc:
                     # After a connect, an OperationalError is a lost session,
@@ -542,6 +547,9 @@ class Installation:
                 f"its grants with `{table.grant_command(role, 'relay')}` and run them as the "
                 "table's owner"
             )
+        advice = session_advice(defaults, self.settings.database_timeout, role, database)
+        if advice:
+            log.warning("outbox-relay: %s", advice)
         if not inserts:
             log.warning(
                 "outbox-relay: this app has durable tasks (%s) and the relay's role %r may not "
@@ -606,6 +614,7 @@ class Installation:
             name=f"outbox-relay-{os.getpid()}",
             synchronous_finalize=s.synchronous_finalize,
             timeout=s.database_timeout,
+            transaction_pooling=s.transaction_pooling,
         )
         keeper = LeaseKeeper(db, lease, table=table)
         observers = Observers(list(self.observers))
@@ -701,3 +710,50 @@ def _warn_unsafe_content(app: Any) -> None:
             "included; the relay needs only JSON (accept_content=['json'])",
             ", ".join(unsafe),
         )
+
+
+def session_advice(
+    defaults: dict[str, str], timeout: float, role: str | None, database: str
+) -> str:
+    """What a relay behind a pooler in transaction mode lacks of the session
+    settings it sets on a connection of its own (queries.sql, relay_session),
+    as sessions of ``role`` in ``database`` start (``store.session_defaults``),
+    and the ALTER ROLE that gives them; empty when nothing is missing."""
+    if not defaults:
+        return ""
+    limit = int(timeout * 1000)
+    wanted = {
+        "statement_timeout": f"{limit}ms",
+        "idle_in_transaction_session_timeout": f"{limit}ms",
+        "jit": "off",
+        "enable_bitmapscan": "off",
+    }
+    missing = []
+    for name, value in wanted.items():
+        have = defaults.get(name)
+        if have is None:
+            continue
+        if name.endswith("timeout"):
+            if have.isdigit() and 0 < int(have) <= limit:
+                continue
+        elif have == "off":
+            continue
+        missing.append((name, have, value))
+    if not missing:
+        return ""
+    found = ", ".join(
+        f"{name} {'0 (none)' if have == '0' else have + ('ms' if name.endswith('timeout') else '')}"
+        for name, have, _ in missing
+    )
+    who = '"' + (role or "ROLE").replace('"', '""') + '"'
+    where = '"' + (database or "DATABASE").replace('"', '""') + '"'
+    sets = "; ".join(
+        f"ALTER ROLE {who} IN DATABASE {where} SET {name} = '{value}'" for name, _, value in missing
+    )
+    return (
+        "OUTBOX_TRANSACTION_POOLING=true: the relay sets no session setting of its own, and "
+        f"sessions of role {role!r} in database {database!r} start with {found}. Bound them "
+        f"for a role the relay alone uses (`outbox-relay grant --kind relay`): {sets}; then "
+        "RECONNECT in PgBouncer's admin console (server sessions it holds keep the settings "
+        "they started with)"
+    )

@@ -25,6 +25,7 @@ from rich.console import Console
 
 from .._redact import connect_error, mask_dsn, scrub
 from ..config import Settings, read_secret_file, refuse_unknown_environment
+from ..db import UNPREPARED
 from ..errors import ConfigError
 from ..store.ops import outbox_tables
 from ..store.schema import table_exists
@@ -220,7 +221,11 @@ class CliState:
         dsn = self.dsn
         try:
             conn = psycopg.connect(
-                dsn, autocommit=True, connect_timeout=10, application_name="outbox-relay-cli"
+                dsn,
+                autocommit=True,
+                connect_timeout=10,
+                application_name="outbox-relay-cli",
+                **UNPREPARED,  # safe through a pooler in transaction mode (db.UNPREPARED)
             )
         except (psycopg.Error, ValueError, OSError) as exc:
             # ValueError: psycopg resolves host names itself, and a bad one

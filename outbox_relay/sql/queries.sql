@@ -505,6 +505,19 @@ UNION ALL
 SELECT 'SELECT'
  WHERE NOT has_table_privilege(format('%%I.%%I', %(schema)s::text, %(name)s::text), 'SELECT');
 
+-- name: session_defaults
+-- The settings a session of this role in this database starts with: the
+-- server's, the database's and the role's (ALTER ROLE ... SET), never a SET
+-- some client of a pooler left in the server session this statement ran in.
+-- Through a pooler in transaction mode the relay sets none of its own
+-- (Settings.transaction_pooling), and these are what its statements run
+-- with (relay_session says why it wants each one).
+SELECT name, reset_val
+  FROM pg_settings
+ WHERE name IN ('statement_timeout', 'idle_in_transaction_session_timeout', 'jit',
+                'enable_bitmapscan')
+ ORDER BY name;
+
 -- name: relay_identity
 -- What tells this relay's Celery tasks from another relay's on one broker
 -- queue (celery/identity.py): the database, and when this table's first

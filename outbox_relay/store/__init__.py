@@ -45,6 +45,7 @@ from .schema import (
     missing_migrations,
     relay_identity,
     relay_lacks,
+    session_defaults,
     table_exists,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "relay_lacks",
     "reschedule",
     "rescue",
+    "session_defaults",
     "statement_tx",
     "stats",
     "table_exists",

@@ -10,7 +10,7 @@ from psycopg import sql
 
 from ..sql.queries import Migration, migrations_for, queries_for
 from ..table import OutboxTable
-from ._base import TableLike, statement_tx
+from ._base import TableLike, statement_tx, tableless
 from ._plan import Plan, Statement, run
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "missing_migrations",
     "relay_identity",
     "relay_lacks",
+    "session_defaults",
     "table_exists",
 ]
 
@@ -144,6 +145,15 @@ def relay_lacks(conn: psycopg.Connection[Any], *, table: TableLike = None) -> li
     with statement_tx(conn):
         rows = conn.execute(queries_for(outbox).relay_lacks, params).fetchall()
     return [str(r[0]) for r in rows]
+
+
+def session_defaults(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    """The relay's session settings as this role's sessions start with them
+    (``pg_settings.reset_val``): timeouts in milliseconds, ``jit`` and
+    ``enable_bitmapscan`` as ``on``/``off``."""
+    with statement_tx(conn):
+        rows = conn.execute(tableless().session_defaults).fetchall()
+    return {str(name): str(value) for name, value in rows}
 
 
 def relay_identity(
