@@ -130,9 +130,16 @@ def _params(
 ) -> dict[str, Any]:
     payload, size = _dumps(msg.payload, "payload")
     if size > limit:
+        # A stored canvas's payload is what apply_async wrote: the caller
+        # knows it as the tasks' arguments, not as a payload.
+        what = (
+            "the canvas as stored (its tasks' arguments and options)"
+            if msg.event_type == CANVAS_EVENT_TYPE
+            else "payload"
+        )
         raise InvalidMessage(
-            f"payload is {size} bytes, over the limit of {limit} (OUTBOX_MAX_PAYLOAD_BYTES); "
-            "store large documents elsewhere and send a reference"
+            f"{what} is {size} bytes (JSON), over the limit of {limit} (max_payload_bytes, "
+            "OUTBOX_MAX_PAYLOAD_BYTES); store large documents elsewhere and send a reference"
         )
     headers = dict(msg.headers or {})
     if not all(isinstance(k, str) for k in headers):
@@ -223,7 +230,15 @@ def prepare(
     outbox = OutboxTable.parse(table if table is not None else settings.table)
     limit = max_payload_bytes if max_payload_bytes is not None else settings.max_payload_bytes
     trace = tracing.current_headers()
-    rows = [_params(m, limit, now, trace) for m in messages]
+    rows = []
+    for index, m in enumerate(messages):
+        try:
+            rows.append(_params(m, limit, now, trace))
+        except InvalidMessage as exc:
+            if len(messages) == 1:
+                raise
+            # One bad row of a bulk import: say which.
+            raise InvalidMessage(f"message {index} of {len(messages)}: {exc}") from None
     lock_keys = []
     for p in rows:
         p["ordered"] = ordered if ordered is not None else settings.is_ordered(p["event_type"])

@@ -338,10 +338,11 @@ def test_aio_migrate_creates_the_same_schema_and_is_idempotent(
 
 def test_asyncpg_query_numbers_every_named_parameter_once() -> None:
     text_, names = asyncpg_query(
-        "-- %(comment)s is not a parameter\nSELECT %(a)s, %(b)s::int, %(a)s, '100%%'"
+        "-- %(comment)s is not a parameter\nSELECT %(a)s, %(b)s::int, %(a)s, '100%%', %(c)b"
     )
-    assert text_ == "SELECT $1, $2::int, $1, '100%'"
-    assert names == ("a", "b")
+    # %(c)b: psycopg's binary format (insert_many's text arrays); asyncpg's is always binary.
+    assert text_ == "SELECT $1, $2::int, $1, '100%', $3"
+    assert names == ("a", "b", "c")
     # Every named query converts: no psycopg placeholder survives.
     for name, query in raw_queries().items():
         converted, names = asyncpg_query(query)

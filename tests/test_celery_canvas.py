@@ -621,6 +621,12 @@ def test_a_chain_over_rabbitmq_with_publisher_confirms(canvas_dsn: str, relay: A
             lambda: group(user.step.s(), user.collect.s(tag=object())),
             "task 'canvas.collect': its keyword arguments are not JSON",
         ),
+        (
+            # Over OUTBOX_MAX_PAYLOAD_BYTES: said in the caller's terms (the
+            # arguments), not as a "payload" apply_async's caller never wrote.
+            lambda: user.step.s(tag="x" * 1_000_000),
+            "the canvas as stored (its tasks' arguments and options) is ",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(

@@ -39,7 +39,11 @@ RETURNING id;
 -- from the sequence in that order (ORDER BY n), so the returned ids sorted
 -- are the inserted rows in order. A keyed row that was not inserted (its key
 -- exists, or an earlier row of this batch has it) is compared as in insert;
--- the digest expression is insert's.
+-- the digest expression is insert's. The text arrays are sent in binary
+-- (%(name)b): in text, psycopg escapes every quote and backslash of every
+-- element in Python, and a JSON payload is mostly quotes: enqueue_many of
+-- 50,000 small messages took 8.4 s (2.2 s in binary), of 20 payloads of
+-- 790 kB 3.4 s (0.7 s).
 INSERT INTO {table} AS o
        (aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,
         available_at, waiting_since, content_hash)
@@ -51,8 +55,8 @@ SELECT r.aggregate_type, r.aggregate_id, r.event_type, r.payload::jsonb, r.heade
                      r.aggregate_type, r.aggregate_id, r.event_type,
                      r.payload::jsonb, r.headers::jsonb - %(trace_keys)s::text[])::text,
                      'UTF8')) END
-  FROM unnest(%(aggregate_types)s::text[], %(aggregate_ids)s::text[], %(event_types)s::text[],
-              %(payloads)s::text[], %(headers)s::text[], %(operation_keys)s::text[],
+  FROM unnest(%(aggregate_types)b::text[], %(aggregate_ids)b::text[], %(event_types)b::text[],
+              %(payloads)b::text[], %(headers)b::text[], %(operation_keys)b::text[],
               %(ordered)s::boolean[], %(delays)s::interval[])
        WITH ORDINALITY
        AS r(aggregate_type, aggregate_id, event_type, payload, headers, operation_key, ordered,

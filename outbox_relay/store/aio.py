@@ -40,8 +40,9 @@ T = TypeVar("T")
 # A psycopg AsyncConnection, or an asyncpg Connection (or pool proxy).
 AsyncConn = Any
 
-# %(name)s placeholders, and %% (a literal percent sign in psycopg's syntax).
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%|%s")
+# %(name)s placeholders (%(name)b: psycopg's binary format, which asyncpg
+# always uses), and %% (a literal percent sign in psycopg's syntax).
+_PLACEHOLDER = re.compile(r"%\((\w+)\)[sb]|%%|%s")
 
 
 def is_asyncpg(conn: Any) -> bool:
