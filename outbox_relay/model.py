@@ -60,6 +60,9 @@ class Claimed:
     # this very message). A delivery that ended with an outcome, a retry
     # included, leaves it False.
     interrupted: bool = False
+    # From a claim: the payload's size as stored (compressed where PostgreSQL
+    # compressed it), for the fan-out's byte budget per chunk.
+    stored_bytes: int = 0
 
     @property
     def ref(self) -> LeaseRef:

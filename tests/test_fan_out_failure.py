@@ -64,3 +64,27 @@ def test_rows_whose_delivery_was_interrupted_are_delivered_alone() -> None:
     claimed = [row(1, 0), row(2, 1, True), row(3, 1), row(4, 0), row(5, 2, True), row(6, 3)]
     assert [[c.id for c in part] for part in chunked(claimed, 2)] == [[2], [1, 3], [5], [4, 6]]
     assert [[c.id for c in part] for part in chunked(claimed, 1)] == [[i] for i in range(1, 7)]
+
+
+def test_a_chunk_holds_a_bounded_size_of_payload() -> None:
+    """A delivery task decodes its chunk's payloads at once: rows with large
+    payloads go in smaller chunks (CHUNK_PAYLOAD_BYTES of stored payload),
+    rows of the usual size fill whole ones, and a row larger than the budget
+    still goes, alone."""
+    from outbox_relay.celery.fanout import CHUNK_PAYLOAD_BYTES, chunked
+    from outbox_relay.model import Claimed
+
+    def row(i: int, stored: int) -> Claimed:
+        return Claimed(i, 1, 0, "order", str(i), "order.created", None, stored_bytes=stored)
+
+    small = [row(i, 300) for i in range(1, 501)]
+    assert [len(c) for c in chunked(small, 200)] == [200, 200, 100]
+    third = CHUNK_PAYLOAD_BYTES // 3
+    large = [row(i, third) for i in range(1, 8)]
+    assert [[c.id for c in part] for part in chunked(large, 200)] == [
+        [1, 2, 3],
+        [4, 5, 6],
+        [7],
+    ]
+    huge = [row(1, 300), row(2, 3 * CHUNK_PAYLOAD_BYTES), row(3, 300)]
+    assert [[c.id for c in part] for part in chunked(huge, 200)] == [[1], [2], [3]]

@@ -293,7 +293,11 @@ WITH ready AS (
            %(content)s OR o.event_type = 'celery.durable' AS whole,
            -- Its last lease began a delivery that never ended: only the
            -- rescuer gives such a row back (a finalize clears began_version).
-           coalesce(o.began_version = o.lease_version - 1, false) AS interrupted
+           coalesce(o.began_version = o.lease_version - 1, false) AS interrupted,
+           -- The payload's stored size (compressed, as on disk; read from its
+           -- header, never decompressed): the fan-out keeps a chunk's payloads
+           -- within a budget (fanout.CHUNK_PAYLOAD_BYTES).
+           pg_column_size(o.payload) AS stored_bytes
 )
 SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
        CASE WHEN whole THEN payload END,
@@ -301,7 +305,7 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
        operation_key,
        CASE WHEN whole THEN created_at END,
        CASE WHEN whole THEN lease_until END,
-       ordered, interrupted
+       ordered, interrupted, stored_bytes
   FROM changed
  WHERE status = 'processing';
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -219,7 +219,7 @@ def claim_batch(
             **_ordered_params(ordered),
         }
         rows = conn.execute(q.claim, params).fetchall()
-    claimed = [_claimed(row, interrupted=row[12]) for row in rows]
+    claimed = [_claimed(row, interrupted=row[12], stored_bytes=row[13]) for row in rows]
     return ClaimBatch(sorted(claimed, key=lambda c: c.id), limit, batch)
 
 
@@ -235,11 +235,25 @@ class Began:
     started: bool = True
 
 
-def _claimed(row: Sequence[Any], *, interrupted: bool = False) -> Claimed:
+def _claimed(row: Sequence[Any], *, interrupted: bool = False, stored_bytes: int = 0) -> Claimed:
     # Headers come back NULL where the statement leaves them out (empty, or
     # a claim without content).
-    c = Claimed(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7] or {}, *row[8:12])
-    return replace(c, interrupted=True) if interrupted else c
+    return Claimed(
+        row[0],
+        row[1],
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        row[6],
+        row[7] or {},
+        row[8],
+        row[9],
+        row[10],
+        row[11],
+        interrupted=interrupted,
+        stored_bytes=stored_bytes or 0,
+    )
 
 
 def _began(row: Sequence[Any]) -> Began:
