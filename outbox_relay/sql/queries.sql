@@ -97,6 +97,15 @@ SELECT id,
 -- past by another).
 SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 0));
 
+-- name: advisory_locks
+-- advisory_lock for many keys in one round trip (a producer's batch of
+-- ordered aggregates: one statement per aggregate made a bulk import of
+-- 3,000 of them twice as slow as unordered). Taken in the keys' byte order,
+-- the order of Python's sorted(), so that producers of this version and of
+-- one that locked key by key never wait on each other in a cycle.
+SELECT count(pg_advisory_xact_lock(hashtextextended(k, 0)))
+  FROM (SELECT k FROM unnest(%(keys)s::text[]) AS k ORDER BY k COLLATE "C") AS sorted;
+
 -- name: claim_lock
 -- advisory_lock for a claim under the in-flight cap, and the claim's commit
 -- made durable (durable_commit) in the same round trip.

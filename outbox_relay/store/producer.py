@@ -61,8 +61,11 @@ def insert_plan(
 ) -> Plan[list[int]]:
     """The statements of one insert, run by any driver (see ``_plan``)."""
     q = queries(table)
-    for key in sorted(set(lock_keys)):
-        yield Statement(q.advisory_lock, {"key": key})
+    keys = sorted(set(lock_keys))
+    if len(keys) == 1:
+        yield Statement(q.advisory_lock, {"key": keys[0]})
+    elif keys:
+        yield Statement(q.advisory_locks, {"keys": keys})
     inserted: list[int | None]
     if len(rows) == 1:
         row = yield Statement(q.insert, rows[0], fetch="one")
