@@ -339,7 +339,7 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
 
 
 def _to_positional(query: str) -> tuple[str, list[str]]:
-    """``%(name)s`` placeholders as ``$n``, for a server-side PREPARE."""
+    """``%(name)s`` (and binary ``%(name)b``) placeholders as ``$n``, for a server-side PREPARE."""
     names: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -347,7 +347,7 @@ def _to_positional(query: str) -> tuple[str, list[str]]:
             names.append(match.group(1))
         return f"${names.index(match.group(1)) + 1}"
 
-    return re.sub(r"%\((\w+)\)s", number, query), names
+    return re.sub(r"%\((\w+)\)[sb]", number, query), names
 
 
 def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None:

@@ -339,7 +339,7 @@ UPDATE {table} AS o
        began_version = CASE
            WHEN o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval
            THEN o.lease_version ELSE o.began_version END
-  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+  FROM unnest(%(ids)b::bigint[], %(versions)b::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
@@ -378,9 +378,13 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
           o.lease_until - coalesce(%(now)s::timestamptz, now()) >= %(needed)s::interval;
 
 -- name: finalize
--- Fenced finalize of many messages in one statement. A row changes only when
--- it is still held (lease_until IS NOT NULL, which the table's CHECK makes
--- equivalent to status = 'processing') under the caller's lease_version.
+-- Fenced finalize of many messages in one statement. Its arrays, as those of
+-- begin, finalize_done, done_under and extend_lease, go in binary (%(name)b):
+-- psycopg builds a text array in Python, 54 us for 50 ids against 17 in
+-- binary, and 257 us against 13 for 50 error texts (each one escaped).
+-- A row changes only when it is still held (lease_until IS NOT NULL, which
+-- the table's CHECK makes equivalent to status = 'processing') under the
+-- caller's lease_version.
 -- We test lease_until rather than status on purpose: "status = 'processing'"
 -- implies the predicates of the leased and unfinished partial indexes, and
 -- with thin statistics the planner may then scan one of those whole indexes
@@ -404,9 +408,9 @@ UPDATE {table} AS o
        began_version = CASE WHEN v.status = 'done' THEN o.began_version END,
        lease_owner  = NULL,
        lease_until  = NULL
-  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[],
-              %(delays)s::interval[], %(refunds)s::int[], %(errors)s::text[],
-              %(unless_begun)s::bool[])
+  FROM unnest(%(ids)b::bigint[], %(versions)b::bigint[], %(statuses)b::text[],
+              %(delays)b::interval[], %(refunds)b::int[], %(errors)b::text[],
+              %(unless_begun)b::bool[])
        AS v(id, version, status, delay, refund, error, unless_begun)
  WHERE o.id = v.id
    AND o.lease_version = v.version
@@ -424,7 +428,7 @@ UPDATE {table} AS o
        done_at     = coalesce(%(now)s::timestamptz, now()),
        lease_owner = NULL,
        lease_until = NULL
-  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+  FROM unnest(%(ids)b::bigint[], %(versions)b::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
@@ -438,7 +442,7 @@ RETURNING o.id;
 -- version). Read only; by primary key.
 SELECT o.id
   FROM {table} AS o
-  JOIN unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+  JOIN unnest(%(ids)b::bigint[], %(versions)b::bigint[]) AS v(id, version)
     ON o.id = v.id AND o.lease_version = v.version
  WHERE o.status = 'done';
 
@@ -471,7 +475,7 @@ RETURNING o.id;
 -- so a late heartbeat must not bring it back.
 UPDATE {table} AS o
    SET lease_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
-  FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS v(id, version)
+  FROM unnest(%(ids)b::bigint[], %(versions)b::bigint[]) AS v(id, version)
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until >= coalesce(%(now)s::timestamptz, now())
