@@ -103,6 +103,18 @@ AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
 AND (%(older_than)s::interval IS NULL
      OR created_at < coalesce(%(now)s::timestamptz, now()) - %(older_than)s::interval);
 
+-- name: frag_dead_picked
+-- Not a statement: the dead rows op_dead_retry and op_dead_skip change,
+-- locked: %(ids)s, or every row the filters match when it is NULL, oldest id
+-- first, at most %(limit)s (NULL: all).
+SELECT id
+  FROM {table}
+ WHERE {frag_dead_match}
+   AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+ ORDER BY id
+ LIMIT %(limit)s::bigint
+   FOR UPDATE;
+
 -- name: op_dead_list
 -- Dead messages, oldest id first. NULL filters match all; %(older_than)s
 -- compares created_at: the table records when a message was written, not
@@ -148,15 +160,7 @@ SELECT count(*)
 -- left alone on purpose: it is the fencing token and must only ever grow.
 -- last_error is kept, so the reason it died stays visible until the next
 -- attempt writes its own result.
-WITH picked AS (
-    SELECT id
-      FROM {table}
-     WHERE {frag_dead_match}
-       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-     ORDER BY id
-     LIMIT %(limit)s::bigint
-       FOR UPDATE
-), numbered AS (
+WITH picked AS ({frag_dead_picked}), numbered AS (
     SELECT id,
            coalesce(%(now)s::timestamptz, now())
              + %(spread)s::interval * ((row_number() OVER (ORDER BY id) - 1)::float8
@@ -179,15 +183,7 @@ RETURNING o.id;
 -- receiver got it; done_at makes the row eligible for purge like any other.
 -- %(ids)s NULL means every dead row the filters match, oldest id first, at
 -- most %(limit)s (NULL: all), as op_dead_retry.
-WITH picked AS (
-    SELECT id
-      FROM {table}
-     WHERE {frag_dead_match}
-       AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
-     ORDER BY id
-     LIMIT %(limit)s::bigint
-       FOR UPDATE
-)
+WITH picked AS ({frag_dead_picked})
 UPDATE {table} AS o
    SET status     = 'done',
        done_at    = coalesce(%(now)s::timestamptz, now()),

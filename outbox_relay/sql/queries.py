@@ -47,11 +47,13 @@ def _identifiers(table: OutboxTable) -> dict[str, sql.Composable]:
 def _render(text: str, table: OutboxTable) -> str:
     # Rendered once per table and cached: the hot path then sends a constant
     # string, which psycopg can prepare server-side. A query named frag_*
-    # is a piece of others, written into them where they name it.
-    fragments = {
-        name: sql.SQL(body) for name, body in raw_queries().items() if name.startswith("frag_")
-    }
-    return sql.SQL(text).format(**_identifiers(table), **fragments).as_string()
+    # is a piece of others, written into them where they name it; it may
+    # name identifiers and the fragments defined before it.
+    names: dict[str, sql.Composable] = dict(_identifiers(table))
+    for name, body in raw_queries().items():
+        if name.startswith("frag_"):
+            names[name] = sql.SQL(sql.SQL(body).format(**names).as_string())
+    return sql.SQL(text).format(**names).as_string()
 
 
 @cache
