@@ -75,12 +75,7 @@ def status_command(
             # survives a database restart.
             with state.connect() as conn:
                 snapshot = operations.status(conn, table=table)
-            # Beside in_flight, which it caps (status() cannot know it).
-            snapshot = {
-                **{k: v for k, v in snapshot.items() if k != "attempts"},
-                "max_in_flight": cap,
-                "attempts": snapshot["attempts"],
-            }
+            snapshot["max_in_flight"] = cap  # status() cannot know it
             if as_json:
                 click.echo(json.dumps(snapshot))
             else:
