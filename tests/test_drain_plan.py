@@ -79,44 +79,42 @@ def test_a_worker_says_when_it_cuts_the_chunks() -> None:
     assert chunk_cut(Settings(chunk_size=200), 4) is None  # the defaults' cap fits
 
 
-def test_the_claim_task_sends_a_chunk_for_every_pool_process(dsn: str) -> None:
-    """The claim task's own body, on a real broker: how many delivery tasks,
-    of how many rows, it sends for a backlog of 1,000 in chunks of 500."""
+def _relay(dsn: str, name: str, **settings: Any) -> tuple[Any, Any, str]:
+    """A Celery app with the relay installed on a queue of its own, on the
+    test broker: (app, installation, queue). Its tasks run in this process
+    when called; what they send stays in the queue for the test to read."""
     from celery import Celery
 
     import outbox_relay
-    from outbox_relay import NewMessage
 
     from . import services
 
-    broker = services.redis_url()
-    sent: dict[int, list[int]] = {}
-    for concurrency in (0, 4):
-        app = Celery(f"spread-{concurrency}", broker=broker)
-        queue = f"outbox-spread-{uuid.uuid4().hex[:8]}"
-        inst = outbox_relay.install(
-            app,
-            dsn=dsn,
-            publisher="tests.apps.recording:publish",
-            chunk_size=500,
-            batch_size=1000,
-            queue=queue,
+    app = Celery(name, broker=services.redis_url())
+    queue = f"outbox-{name}-{uuid.uuid4().hex[:8]}"
+    inst = outbox_relay.install(
+        app, dsn=dsn, publisher="tests.apps.recording:publish", queue=queue, **settings
+    )
+    return app, inst, queue
+
+
+def _backlog(dsn: str, n: int) -> None:
+    import outbox_relay
+    from outbox_relay import NewMessage
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM outbox")
+        outbox_relay.enqueue_many(
+            conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(n)]
         )
-        inst.concurrency = concurrency  # what a worker records at start
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("DELETE FROM outbox")
-            outbox_relay.enqueue_many(
-                conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(1000)]
-            )
-        app.tasks["outbox_relay.claim"]()  # the task's body, as a worker runs it
-        with app.connection_for_write() as connection:
-            client = connection.default_channel.client
-            bodies = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
-            client.delete(queue)
-        deliveries = [b for b in bodies if b["headers"]["task"] == "outbox_relay.deliver_batch"]
-        sent[concurrency] = sorted(len(json.loads(_body(b))[0][0]) for b in deliveries)
-        inst.close()
-    assert sent == {0: [500, 500], 4: [250, 250, 250, 250]}
+
+
+def _taken(app: Any, queue: str) -> list[dict[str, Any]]:
+    """The messages sent to ``queue``, which is emptied."""
+    with app.connection_for_write() as connection:
+        client = connection.default_channel.client
+        bodies = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+        client.delete(queue)
+    return bodies
 
 
 def _body(message: dict[str, object]) -> str:
@@ -125,45 +123,42 @@ def _body(message: dict[str, object]) -> str:
     return base64.b64decode(str(message["body"])).decode()
 
 
+def test_the_claim_task_sends_a_chunk_for_every_pool_process(dsn: str) -> None:
+    """The claim task's own body, on a real broker: how many delivery tasks,
+    of how many rows, it sends for a backlog of 1,000 in chunks of 500."""
+    sent: dict[int, list[int]] = {}
+    for concurrency in (0, 4):
+        app, inst, queue = _relay(dsn, f"spread{concurrency}", chunk_size=500, batch_size=1000)
+        inst.concurrency = concurrency  # what a worker records at start
+        _backlog(dsn, 1000)
+        app.tasks["outbox_relay.claim"]()  # the task's body, as a worker runs it
+        bodies = _taken(app, queue)
+        deliveries = [b for b in bodies if b["headers"]["task"] == "outbox_relay.deliver_batch"]
+        sent[concurrency] = sorted(len(json.loads(_body(b))[0][0]) for b in deliveries)
+        inst.close()
+    assert sent == {0: [500, 500], 4: [250, 250, 250, 250]}
+
+
 def test_a_hint_that_finds_a_claim_in_progress_leaves_the_rows_to_it(dsn: str) -> None:
     """A drain's claim hint (contend=False) returns at once while another
     claim holds the table's claim lock, and sends nothing: no delivery, and
     no held-back round (the claim in progress drains on if it must). A
     claim that contends (beat's, the listener's) waits and takes the rows."""
-    from celery import Celery
-
-    import outbox_relay
-    from outbox_relay import NewMessage
-
-    from . import services
-
-    app = Celery("hint-busy", broker=services.redis_url())
-    queue = f"outbox-hint-{uuid.uuid4().hex[:8]}"
-    inst = outbox_relay.install(
-        app, dsn=dsn, publisher="tests.apps.recording:publish", chunk_size=50, queue=queue
-    )
+    app, inst, queue = _relay(dsn, "hint-busy", chunk_size=50)
     claim = app.tasks["outbox_relay.claim"]
     try:
-        with (
-            psycopg.connect(dsn, autocommit=True) as conn,
-            psycopg.connect(dsn) as holder,
-            app.connection_for_write() as connection,
-        ):
-            client = connection.default_channel.client
-            outbox_relay.enqueue_many(
-                conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(100)]
-            )
+        _backlog(dsn, 100)
+        with psycopg.connect(dsn) as holder:
             # Another claim in progress: the lock claims take under the cap.
             key = f"{inst.settings.outbox_table.lock_key}:claim"
             holder.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (key,))
             started = time.monotonic()
             assert claim(0, 10, False) == {"claimed": 0}
             assert time.monotonic() - started < 5
-            assert client.llen(queue) == 0
+            assert _taken(app, queue) == []
             holder.rollback()
-            assert claim(0, 10, True) == {"claimed": 100}
-            assert client.llen(queue) == 2  # two chunks of 50
-            client.delete(queue)
+        assert claim(0, 10, True) == {"claimed": 100}
+        assert len(_taken(app, queue)) == 2  # two chunks of 50
     finally:
         inst.close()
 
@@ -175,53 +170,31 @@ def test_a_claim_the_cap_cut_short_has_one_successor(dsn: str) -> None:
     process sent is still to run. Both at once gave every capped round two
     successors: 3,212 empty claims beside 802 deliveries in a benchmark
     whose first attempts all failed (docs/benchmarks-changes.md, item 34)."""
-    from celery import Celery
-
-    import outbox_relay
-    from outbox_relay import NewMessage
-
-    from . import services
-
-    app = Celery("capped-successor", broker=services.redis_url())
-    queue = f"outbox-capped-{uuid.uuid4().hex[:8]}"
-    inst = outbox_relay.install(
-        app,
-        dsn=dsn,
-        publisher="tests.apps.recording:publish",
-        chunk_size=10,
-        batch_size=50,
-        max_in_flight=60,
-        queue=queue,
+    app, inst, queue = _relay(
+        dsn, "capped-successor", chunk_size=10, batch_size=50, max_in_flight=60
     )
     claim = app.tasks["outbox_relay.claim"]
 
-    def sent(client: Any) -> list[tuple[str, bool]]:
-        """The tasks in the queue: (name, sent with a countdown), then emptied."""
-        bodies = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
-        client.delete(queue)
-        return [(b["headers"]["task"], b["headers"].get("eta") is not None) for b in bodies]
+    def sent() -> list[tuple[str, bool]]:
+        """The tasks sent: (name, sent with a countdown)."""
+        return [
+            (b["headers"]["task"], b["headers"].get("eta") is not None) for b in _taken(app, queue)
+        ]
 
     try:
-        with (
-            psycopg.connect(dsn, autocommit=True) as conn,
-            app.connection_for_write() as connection,
-        ):
-            client = connection.default_channel.client
-            outbox_relay.enqueue_many(
-                conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(200)]
-            )
-            # A full batch: five chunks, the next claim riding on the third.
-            assert claim() == {"claimed": 50}
-            assert sent(client) == [("outbox_relay.deliver_batch", False)] * 5
-            # 10 of the cap's 60 left: cut short. Its one chunk carries the
-            # next claim (sent once its rows are finished), nothing else.
-            assert claim() == {"claimed": 10}
-            assert sent(client) == [("outbox_relay.deliver_batch", False)]
-            # No room: nothing to carry the drain on, so a look a moment later.
-            assert claim() == {"claimed": 0}
-            assert sent(client) == [("outbox_relay.claim", True)]
-            # Still no room, and that look is yet to run: it serves this one too.
-            assert claim() == {"claimed": 0}
-            assert sent(client) == []
+        _backlog(dsn, 200)
+        # A full batch: five chunks, the next claim riding on the third.
+        assert claim() == {"claimed": 50}
+        assert sent() == [("outbox_relay.deliver_batch", False)] * 5
+        # 10 of the cap's 60 left: cut short. Its one chunk carries the
+        # next claim (sent once its rows are finished), nothing else.
+        assert claim() == {"claimed": 10}
+        assert sent() == [("outbox_relay.deliver_batch", False)]
+        # No room: nothing to carry the drain on, so a look a moment later.
+        assert claim() == {"claimed": 0}
+        assert sent() == [("outbox_relay.claim", True)]
+        # Still no room, and that look is yet to run: it serves this one too.
+        assert claim() == {"claimed": 0}
+        assert sent() == []
     finally:
         inst.close()
