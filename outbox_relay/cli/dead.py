@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 import psycopg
@@ -48,6 +49,22 @@ class _IdsCommand(click.Command):
 
 
 def _filter_options(fn: F) -> F:
+    """The filters of dead messages, given to ``fn`` as one ``where``
+    (an ``operations.DeadFilter``)."""
+
+    @functools.wraps(fn)
+    def packed(
+        *args: Any,
+        event_type: str | None,
+        aggregate_type: str | None,
+        aggregate_id: str | None,
+        older_than: timedelta | None,
+        **kwargs: Any,
+    ) -> Any:
+        where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
+        return fn(*args, where=where, **kwargs)
+
+    wrapped: Any = packed
     for option in reversed(
         [
             click.option("--event-type", default=None, help="Only this event type."),
@@ -62,8 +79,8 @@ def _filter_options(fn: F) -> F:
             ),
         ]
     ):
-        fn = option(fn)
-    return fn
+        wrapped = option(wrapped)
+    return cast(F, wrapped)
 
 
 @click.group("dead")
@@ -78,16 +95,9 @@ def dead_group() -> None:
 @command_options()
 @pass_state
 def dead_list_command(
-    state: CliState,
-    event_type: str | None,
-    aggregate_type: str | None,
-    aggregate_id: str | None,
-    older_than: timedelta | None,
-    limit: int,
-    as_json: bool,
+    state: CliState, where: operations.DeadFilter, limit: int, as_json: bool
 ) -> None:
     """List dead messages, oldest first (payloads are not shown)."""
-    where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
     with state.connect() as conn:
         rows = operations.dead_list(conn, where=where, limit=limit, table=state.table)
         # A full page: how many match in all, beyond it (--json stays an array).
@@ -210,10 +220,7 @@ def dead_retry_command(
     state: CliState,
     ids: tuple[int, ...],
     all_dead: bool,
-    event_type: str | None,
-    aggregate_type: str | None,
-    aggregate_id: str | None,
-    older_than: timedelta | None,
+    where: operations.DeadFilter,
     limit: int | None,
     spread: timedelta,
     yes: bool,
@@ -224,7 +231,6 @@ def dead_retry_command(
     reason stays visible until the next attempt records its own. The
     filters and --limit apply with --all, which asks first (--yes answers).
     """
-    where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
     _check_selection("retry", ids, all_dead, where != operations.DeadFilter(), limit)
     with state.connect() as conn:
         if all_dead:
@@ -282,10 +288,7 @@ def dead_skip_command(
     state: CliState,
     ids: tuple[int, ...],
     all_dead: bool,
-    event_type: str | None,
-    aggregate_type: str | None,
-    aggregate_id: str | None,
-    older_than: timedelta | None,
+    where: operations.DeadFilter,
     limit: int | None,
     yes: bool,
 ) -> None:
@@ -295,7 +298,6 @@ def dead_skip_command(
     its next message becomes claimable. last_error records the skip. The
     filters and --limit apply with --all, which asks first (--yes answers).
     """
-    where = operations.DeadFilter(event_type, aggregate_type, aggregate_id, older_than)
     _check_selection("skip", ids, all_dead, where != operations.DeadFilter(), limit)
     with state.connect() as conn:
         if all_dead:
