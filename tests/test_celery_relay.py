@@ -762,6 +762,43 @@ def test_beat_refuses_to_start_instead_of_running_an_empty_schedule(
     assert beat.text().count(said) == 1, beat.text()
 
 
+def test_ticks_expire_when_the_scheduler_drops_the_entries_options(dsn, redis_broker):
+    """django-celery-beat keeps only some of an entry's options and dropped
+    the ticks' expiry: a day without workers left thousands of claim ticks
+    in the broker. A tick from an entry with no options expires after its
+    interval; the relay's own drain hint does not expire."""
+    import json
+
+    import redis
+    from celery import Celery
+    from celery.beat import ScheduleEntry, Scheduler
+
+    app = Celery("ticks", broker=redis_broker, set_as_current=False)
+    outbox_relay.install(app, dsn=dsn, publisher=print, claim_interval_seconds=7)
+    scheduler = Scheduler(app, lazy=True)
+    for task in ("outbox_relay.claim", "outbox_relay.rescue", "outbox_relay.purge"):
+        # What such a scheduler rebuilds from its table: no "expires".
+        scheduler.apply_async(ScheduleEntry(task, task=task, schedule=7.0, app=app))
+    app.tasks["outbox_relay.claim"].apply_async((), serializer="json", expires=None)
+
+    queued = redis.Redis.from_url(redis_broker).lrange("outbox", 0, -1)
+    sent = [json.loads(raw)["headers"] for raw in reversed(queued)]
+    assert [h["task"] for h in sent] == [
+        "outbox_relay.claim",
+        "outbox_relay.rescue",
+        "outbox_relay.purge",
+        "outbox_relay.claim",
+    ]
+    assert all(h["expires"] for h in sent[:3]), sent
+    assert sent[3]["expires"] is None
+    from outbox_relay.celery import tasks
+
+    # The drain's own hint goes through tasks._send, which keeps it alive.
+    tasks._send(app.tasks["outbox_relay.claim"], (0, 0, True))
+    last = json.loads(redis.Redis.from_url(redis_broker).lindex("outbox", 0))["headers"]
+    assert last["expires"] is None
+
+
 # --------------------------------------------------------------------------- helpers
 def _client_app(broker: str) -> Any:
     from celery import Celery

@@ -115,6 +115,7 @@ def install(
         _when_configured(app, lambda: _add_beat_entries(app, inst))
         _check_beat(app, inst)
     _when_finalized(app, lambda: _lift_rate_limits(app))
+    _when_finalized(app, lambda: _expire_ticks(app, inst))
     _wire_worker(app, inst, consume)
     return inst
 
@@ -148,6 +149,30 @@ def _lift_rate_limits(app: Any) -> None:
             "OUTBOX_MAX_IN_FLIGHT, and annotate your own tasks by name",
             ", ".join(limited),
         )
+
+
+def _expire_ticks(app: Any, inst: Installation) -> None:
+    """A tick nobody picked up within its interval is replaced by the next
+    one: the claim, rescue and purge tasks expire after their interval by
+    default, whoever sends them. The relay's beat entries say so in their
+    options too, but a scheduler that keeps its entries in a database
+    (django-celery-beat) stores only some options and dropped that one: the
+    ticks of a day without workers waited in the broker, and a worker's
+    first minutes went on thousands of claims that found nothing. The
+    relay's own hints pass ``expires`` themselves (tasks._send)."""
+    try:
+        s = inst.settings
+    except OutboxError:
+        return  # the worker's or beat's start check reports it
+    intervals = {
+        names.CLAIM: s.claim_interval_seconds,
+        names.RESCUE: s.rescue_interval,
+        names.PURGE: names.PURGE_EVERY_SECONDS,
+    }
+    for name, interval in intervals.items():
+        task = app.tasks.get(name)
+        if task is not None:
+            task.expires = interval
 
 
 def _when_configured(app: Any, fn: Any) -> None:

@@ -370,7 +370,12 @@ def claim_when_due(inst: Installation, delay: float | None) -> None:
 
 
 def _send(task: Any, args: tuple[Any, ...] = (), **options: Any) -> None:
-    """Send a claim hint; a failure is only logged (beat's tick is the safety net)."""
+    """Send a claim hint; a failure is only logged (beat's tick is the safety net).
+
+    No expiry unless given: the claim task's default (a tick's interval, see
+    install._expire_ticks) would cut a drain's chain of claims short behind
+    a deep queue."""
+    options.setdefault("expires", None)
     try:
         task.apply_async(args, serializer="json", **options)
     except Exception:
