@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -250,7 +251,9 @@ def test_every_message_ends_done_or_dead_as_classified(
     dated = _row(conn, ids["dated"])
     wait = (dated["available_at"] - datetime.now(timezone.utc)).total_seconds()
     assert 70 < wait <= 91, "an HTTP-date Retry-After counts from now"
-    assert "ReadTimeout" in _row(conn, ids["slow"])["last_error"]
+    slow = _row(conn, ids["slow"])["last_error"]
+    # Which wait ran out, and every bound, to tell which setting to raise.
+    assert "ReadTimeout" in slow and re.search(r"connect \S+s, write \S+s, read \S+s", slow), slow
     assert "closed the connection" in _row(conn, ids["dropped"])["last_error"]
     assert "HTTP 503" in _row(conn, ids["flaky"])["last_error"]
 

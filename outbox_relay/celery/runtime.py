@@ -445,7 +445,10 @@ class Installation:
         s = self.settings
         base = self._resolve_publisher()
         if not s.publisher:
-            log.warning(
+            # Not a warning: the docs' own apply_async and durable setups
+            # need no publisher, and would warn at every start. A row that
+            # needs one ends dead, its reason naming the setting.
+            log.info(
                 "outbox-relay: OUTBOX_PUBLISHER is not set: this relay sends the Celery tasks "
                 "written with outbox_relay.apply_async and durable tasks; any other row ends "
                 "dead, its reason naming OUTBOX_PUBLISHER (set it, then "

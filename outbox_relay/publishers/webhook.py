@@ -505,7 +505,8 @@ class WebhookPublisher:
         except httpx.TimeoutException as exc:
             raise RetryableError(
                 f"webhook {self._where}: {type(exc).__name__} (connect "
-                f"{self.connect_timeout:g}s, read {self.read_timeout:g}s)"
+                f"{self.connect_timeout:g}s, write {self.write_timeout:g}s, read "
+                f"{self.read_timeout:g}s)"
             ) from exc
         except (httpx.LocalProtocolError, httpx.UnsupportedProtocol) as exc:
             # The request itself cannot be sent; sending it again will not help.
