@@ -138,6 +138,24 @@ def database(admin_dsn: str) -> Iterator[str]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def stuck_behind_dead(dsn: str, n: int) -> None:
+    """An ordered aggregate stopped by a dead message, with ``n`` rows queued
+    behind it: what a poison message in a busy aggregate leaves until a
+    person acts. Its rows stay pending for the rest of the run."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, ordered,"
+            " status, last_error)"
+            " VALUES ('stuck', '1', 'order.created', '{}', true, 'dead', 'permanent: 422')"
+        )
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, ordered)"
+            " SELECT 'stuck', '1', 'order.created', jsonb_build_object('n', g), true"
+            " FROM generate_series(1, %(n)s) AS g",
+            {"n": n},
+        )
+
+
 def commit_outbox(dsn: str, n: int, *, ordered_aggregates: int = 0) -> datetime:
     """Commit ``n`` messages in one transaction (with the producer's NOTIFY);
     return the database's clock just after the commit. ``ordered_aggregates``:
@@ -206,8 +224,11 @@ class Probe:
         # Nothing pending or processing: both probes walk small partial
         # indexes. (Counting done rows at every poll costs the server more
         # and more as they pile up, CPU the relay then lacks.)
+        # Rows of the aggregate type "stuck" wait behind a dead message for
+        # good (see stuck_behind_dead) and are not waited for.
         return not self.one(
-            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'pending')"
+            "SELECT EXISTS (SELECT 1 FROM outbox WHERE status = 'pending'"
+            "               AND aggregate_type <> 'stuck')"
             " OR EXISTS (SELECT 1 FROM outbox WHERE status = 'processing')"
         )
 
@@ -521,10 +542,13 @@ def relay(
     publisher: str = "noop",
     env_extra: dict[str, str] | None = None,
     ordered_aggregates: int = 0,
+    stuck: int = 0,
     **settings: Any,
 ) -> Figure:
     """The relay as the docs start it: worker + beat, then ``n`` rows in one
-    commit (ordered over ``ordered_aggregates`` aggregates, see commit_outbox)."""
+    commit (ordered over ``ordered_aggregates`` aggregates, see commit_outbox).
+    ``stuck``: that many ordered rows wait behind a dead one the whole run
+    (stuck_behind_dead), written before it starts."""
     with database(b.admin) as dsn:
         redis_client(b.broker).delete("outbox")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
@@ -547,6 +571,9 @@ def relay(
             )
             runner.beat()
             _warm_up(dsn, probe, worker, name)
+            if stuck:
+                stuck_behind_dead(dsn, stuck)
+                time.sleep(1.0)  # the relay's claims meet them before the timed rows
             first = probe.last_id()
             costs = Costs(probe, counts)
             costs.start()
@@ -1047,6 +1074,20 @@ def main(argv: list[str] | None = None) -> int:
                             **_chunk_settings(50),
                         ),
                     )
+                # And unordered rows beside an aggregate stopped by a dead
+                # message with 20,000 rows behind it (a poison message in a
+                # busy aggregate, before anyone acts).
+                record(
+                    "ordered_stuck",
+                    relay(
+                        b,
+                        bulk,
+                        name="relay chunked (50), beside 20,000 ordered rows behind a dead one",
+                        chunk=50,
+                        stuck=20_000,
+                        **_chunk_settings(50),
+                    ),
+                )
             if want("loops"):
                 record(
                     "literal",

@@ -679,6 +679,44 @@ def test_a_drain_under_the_cap_goes_on_without_beat(
     assert {r[0] for r in published(recorded_dsn)} == set(ids)
 
 
+def test_rows_behind_an_aggregate_stopped_by_a_dead_message_slow_nothing_else(
+    recorded_dsn, redis_broker, procs_factory
+):
+    """A dead ordered message with 3,000 rows of its aggregate queued behind
+    it: every claim walked past all of them (the relay slowed for everyone),
+    until the claims parked them. Claims that only park have no delivery to
+    carry the drain on; with no beat, the NOTIFY's claim must still reach
+    the rows after them, and the parked rows stay where they are."""
+    procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds=3600)
+    worker = procs.worker(concurrency=2)
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    with psycopg.connect(recorded_dsn) as conn:
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, ordered,"
+            " status, last_error) VALUES ('ledger', '1', 'posted', '{}', true, 'dead', '422')"
+        )
+        stuck = outbox_relay.enqueue_many(
+            conn, [NewMessage("ledger", "1", "posted", {"n": i}) for i in range(3000)], ordered=True
+        )
+        others = outbox_relay.enqueue_many(
+            conn, [NewMessage("order", str(i), "order.created", {"n": i}) for i in range(300)]
+        )
+        conn.commit()
+    wait_for(
+        lambda: counts(recorded_dsn).get("done") == len(others),
+        timeout=60,
+        what=lambda: f"the 300 rows after the stopped aggregate done:\n{worker.text()[-3000:]}",
+    )
+    assert {r[0] for r in published(recorded_dsn)} == set(others)
+    with psycopg.connect(recorded_dsn, autocommit=True) as conn:
+        waiting = conn.execute(
+            "SELECT count(*) FROM outbox WHERE status = 'pending' AND id = ANY(%s)"
+            " AND available_at > now() + interval '1000 years'",
+            (stuck,),
+        ).fetchone()
+    assert waiting == (len(stuck),)  # parked, each walked once
+
+
 def test_a_drain_with_beat_does_not_wait_for_its_ticks(recorded_dsn, redis_broker, procs_factory):
     # The issue's configuration, with beat as the docs run it. Beat's tick
     # starts a second claim chain beside the drain's own; before, both then

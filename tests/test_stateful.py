@@ -30,7 +30,7 @@ ordered claims, pending behind a dead head of its aggregate).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import psycopg
@@ -71,6 +71,8 @@ POLICY = RetryPolicy(
 )
 DEFER = timedelta(seconds=15)
 OUTCOMES = ("done", "retryable", "defer", "permanent")
+# A parked row's available_at is at least this far ahead (queries.sql, frag_parked).
+PARKED = timedelta(days=365 * 1000)
 COLUMNS = (
     "id, aggregate_type, aggregate_id, event_type, status, available_at, attempts,"
     " lease_owner, lease_until, lease_version, last_error, done_at"
@@ -130,18 +132,26 @@ def test_outbox_state_machine(dsn: str) -> None:
             self.enqueued = 0
             self.ordered = False
             self.relay = False
+            self.parked = 0
 
         # ------------------------------------------------------------ helpers
         def claim(self, worker: str, batch: int) -> list[Claimed]:
             # The relay's claim: ordering from the rows, a cap on live leases,
             # no rescue (the rescuer's job), no attempt counted (the delivery
             # counts it when it begins). The articles' claim: the defaults.
+            # The relay's also parks the ordered rows it finds waiting (their
+            # number in self.parked); a finalize's promote makes them due.
             mode: dict[str, object] = (
-                {"max_in_flight": CAP, "rescue_first": False, "count_attempt": False}
+                {
+                    "max_in_flight": CAP,
+                    "rescue_first": False,
+                    "count_attempt": False,
+                    "park": True,
+                }
                 if self.relay
                 else {"ordered": self.ordered}
             )
-            return store.claim(
+            result = store.claim_batch(
                 conn,
                 owner=worker,
                 batch=batch,
@@ -150,6 +160,8 @@ def test_outbox_state_machine(dsn: str) -> None:
                 now=self.now,
                 **mode,  # type: ignore[arg-type]
             )
+            self.parked = result.parked
+            return result.claimed
 
         def rescue_now(self) -> None:
             store.rescue(conn, max_attempts=MAX_ATTEMPTS, now=self.now)
@@ -282,9 +294,19 @@ def test_outbox_state_machine(dsn: str) -> None:
             row = after[key[0]]
             assert (row.lease_until, row.lease_owner) == (None, None)
             assert row.lease_version == current.lease_version
-            assert {i: r for i, r in after.items() if i != key[0]} == {
-                i: r for i, r in before.items() if i != key[0]
-            }
+            # Nothing else changes, but for one: a done ordered row makes the
+            # next row of its aggregate due if a claim had parked it (promote).
+            others = [i for i in after if i != key[0] and after[i] != before[i]]
+            assert len(others) <= 1, others
+            for i in others:
+                was, now = before[i], after[i]
+                assert kind == "done" and self.relay and self.ordered, (was, now)
+                assert (now.aggregate_type, now.aggregate_id) == (
+                    row.aggregate_type,
+                    row.aggregate_id,
+                )
+                assert was.available_at > self.now + PARKED and now.available_at <= self.now
+                assert replace(now, available_at=was.available_at) == was
             if kind == "release":
                 assert (row.status, row.available_at) == ("pending", self.now)
                 assert row.attempts == current.attempts
@@ -415,6 +437,23 @@ def test_outbox_state_machine(dsn: str) -> None:
                     assert row.last_error, row
 
         @invariant()
+        def a_parked_row_waits_behind_an_unfinished_one(self) -> None:
+            # Parked (far past any due time): set aside by a claim because an
+            # earlier row of its aggregate was unfinished. It must still be,
+            # or nothing makes the row due again (promote keeps this true).
+            rows = sorted(table().values(), key=lambda r: r.id)
+            for row in rows:
+                if row.available_at < self.now + PARKED:
+                    continue
+                assert self.relay and self.ordered and row.status == "pending", row
+                assert any(
+                    r.id < row.id
+                    and (r.aggregate_type, r.aggregate_id) == (row.aggregate_type, row.aggregate_id)
+                    and r.status in ("pending", "processing", "dead")
+                    for r in rows
+                ), f"row {row.id} is parked behind no unfinished row"
+
+        @invariant()
         def live_leases_stay_under_the_cap(self) -> None:
             if not self.relay:
                 return
@@ -454,7 +493,7 @@ def test_outbox_state_machine(dsn: str) -> None:
             self.rescue_now()
             for _ in range(self.enqueued + 2):
                 claimed = self.claim("drain", 50)
-                if not claimed:
+                if not claimed and not self.parked:
                     break
                 done = store.finalize(conn, [Outcome.done(m) for m in claimed], now=self.now)
                 assert done == {m.id for m in claimed}

@@ -56,6 +56,9 @@ MAX_HELD_BACK_ROUNDS = 5
 # The first held-back round looks again after this long, each next one after
 # twice as long (0.1 + 0.2 + ... + 1.6 s in all).
 HELD_BACK_SECONDS = 0.1
+# Claims one claim task makes in a row while each only parks ordered rows
+# (see claim_round): 40 rounds park 20,000 rows in about half a second.
+PARKING_ROUNDS = 40
 
 
 def hint_room(settings: Settings) -> int:
@@ -189,6 +192,16 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         """One claim and its fan-out (the claim task's, and the rescue task's)."""
         services = inst.services()
         result = services.claimer.run_once(min_room=min_room, contend=contend)
+        # A claim that only parked rows (ordered ones waiting behind their
+        # aggregate's unfinished row) has nothing to fan out, and so no
+        # delivery task to send the drain's next claim: claim again here,
+        # past them (about 13 ms a round of 500), a bounded number of times.
+        for _ in range(PARKING_ROUNDS):
+            if not result.parked_only:
+                break
+            result = services.claimer.run_once(min_room=min_room, contend=contend)
+        if result.parked_only:
+            send(claim, hint_args(inst.settings))  # the drain goes on in a task of its own
         if result.claimed:
             s = inst.settings
             delivery = names.DELIVER_BATCH if s.chunk_size > 1 else names.DELIVER

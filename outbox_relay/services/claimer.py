@@ -23,6 +23,15 @@ class ClaimResult:
     capped: bool
     # Another claim was in progress (``contend=False``): it takes the due rows.
     busy: bool = False
+    # Ordered rows parked (walked, waiting behind their aggregate's unfinished
+    # row): counted in ``full`` and ``capped`` as rows taken.
+    parked: int = 0
+
+    @property
+    def parked_only(self) -> bool:
+        """Nothing leased, a whole batch (or all the cap's room) parked: more
+        may be due behind them, and no delivery will carry the drain on."""
+        return not self.claimed and self.parked > 0 and (self.full or self.capped)
 
 
 class Claimer:
@@ -80,13 +89,16 @@ class Claimer:
                 content=False,
                 table=self.table,
                 contend=contend,
+                # Under the cap: ordered rows that wait are set aside once.
+                park=self.max_in_flight is not None,
             ),
             # Never repeat a claim whose COMMIT may have reached the server:
             # the first batch would sit leased with no task to deliver it.
             retry=False,
         )
-        full = len(batch.claimed) >= self.batch_size
-        return ClaimResult(batch.claimed, full, batch.capped, batch.busy)
+        # Rows parked count as taken: the rows after them may be due.
+        full = batch.taken >= self.batch_size
+        return ClaimResult(batch.claimed, full, batch.capped, batch.busy, batch.parked)
 
     def next_due(self) -> float | None:
         """Seconds until the first row that waits for its time (a retry's

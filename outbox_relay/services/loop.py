@@ -162,7 +162,9 @@ class RelayLoop:
         self.report = DeliveryReport()
 
     def run_once(self) -> int:
-        """One round; returns how many rows it claimed (0: nothing was due)."""
+        """One round; returns how many rows it claimed or parked (0: nothing
+        was due; parked: ordered rows set aside behind their aggregate's
+        unfinished one, with maybe more due after them)."""
         now = time.monotonic()
         if self._rescue.due(now):
             self.rescuer.run_once()
@@ -173,7 +175,7 @@ class RelayLoop:
         for i in range(0, len(claimed), self.chunk_size):
             chunk = claimed[i : i + self.chunk_size]
             self.report.add(replace(self.deliverer.deliver([c.ref for c in chunk]), outcomes=[]))
-        return len(claimed)
+        return len(claimed) + result.parked
 
     def run(self, stop: threading.Event) -> None:
         """Until ``stop`` is set; a round that claimed nothing waits a claim

@@ -14,18 +14,30 @@ misconfiguration, but a quiet one) take each other's tasks, and beat's
 claim and rescue, sent on the same tick to a queue with two consumers, went
 round-robin to one worker each: one relay never rescued again, and its
 rows stayed leased for good (or, the other way round, never claimed).
+
+It also takes a second look at ordered rows parked for a minute or more
+(``PARK_RECHECK``; see queries.sql, claim_parking): the write that finishes
+the row before a parked one makes it due, and this catches one that no such
+write reached (a worker of an earlier release during a rolling upgrade, a
+change by hand).
 """
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 from .. import store
 from ..db import Database
 from ..store.relay import Rescued
 from ..table import OutboxTable
 
-__all__ = ["Rescuer"]
+__all__ = ["PARK_RECHECK", "Rescuer"]
+
+# How long a row stays parked before the rescuer probes it again. Each probe
+# is one index lookup, so the rows parked cost parked / 60 probes a second;
+# a row stranded by a writer that does not promote waits up to this long.
+PARK_RECHECK = timedelta(seconds=60)
 
 
 class Rescuer:
@@ -67,4 +79,9 @@ class Rescuer:
             dead += result.dead
             if len(result) < self.batch_size:
                 break
-        return Rescued(sorted(released), sorted(dead))
+        unparked = self.db.run(
+            lambda conn: store.reprobe_parked(
+                conn, after=PARK_RECHECK, batch=self.batch_size, table=self.table
+            )
+        )
+        return Rescued(sorted(released), sorted(dead), unparked)

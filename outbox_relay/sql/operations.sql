@@ -31,8 +31,9 @@
 -- second one) goes on counting through its backoff, so a receiver that
 -- keeps failing shows as a growing age. Rows written before migration 0008
 -- have no waiting_since: untried, they count from their due time; tried,
--- from created_at. Each status is read through its own partial index, as
--- the counts are.
+-- from created_at. A parked row (queries.sql, frag_parked) waits behind an
+-- earlier one of its aggregate and counts as well. Each status is read
+-- through its own partial index, as the counts are.
 SELECT s.pending, s.processing,
        CASE WHEN %(exact_done_below)s::float8 IS NULL
               OR coalesce(s.reltuples, -1) < %(exact_done_below)s::float8
@@ -45,13 +46,22 @@ SELECT s.pending, s.processing,
                  WHERE status = 'processing'
                    AND lease_until < coalesce(%(now)s::timestamptz, now())) AS expired_leases,
                coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - least(
+                   -- (No alias on purpose: a table from before migration 0008
+                   -- fails with 'column "waiting_since" does not exist', which
+                   -- callers turn into "run migrate". The last test is
+                   -- frag_parked's, for this unaliased table.)
                    (SELECT min(coalesce(waiting_since,
-                                        CASE WHEN attempts > 0 THEN created_at
+                                        CASE WHEN attempts > 0
+                                               OR available_at > coalesce(%(now)s::timestamptz, now())
+                                                                 + interval '1000 years'
+                                             THEN created_at
                                              ELSE greatest(created_at, available_at) END))
                       FROM {table}
                      WHERE status = 'pending'
                        AND (attempts > 0
-                            OR available_at <= coalesce(%(now)s::timestamptz, now()))),
+                            OR available_at <= coalesce(%(now)s::timestamptz, now())
+                            OR available_at > coalesce(%(now)s::timestamptz, now())
+                                              + interval '1000 years')),
                    (SELECT min(coalesce(waiting_since,
                                         CASE WHEN attempts > 1 THEN created_at
                                              ELSE greatest(created_at, available_at) END))
@@ -182,7 +192,8 @@ RETURNING o.id;
 -- cannot be sent. last_error says so, because "done" alone would claim the
 -- receiver got it; done_at makes the row eligible for purge like any other.
 -- %(ids)s NULL means every dead row the filters match, oldest id first, at
--- most %(limit)s (NULL: all), as op_dead_retry.
+-- most %(limit)s (NULL: all), as op_dead_retry. A skipped row marked
+-- ordered makes its aggregate's next row due if it was parked (promote).
 WITH picked AS ({frag_dead_picked})
 UPDATE {table} AS o
    SET status     = 'done',
@@ -192,7 +203,7 @@ UPDATE {table} AS o
   FROM picked
  WHERE o.id = picked.id
    AND o.status = 'dead'
-RETURNING o.id;
+RETURNING o.id, o.ordered;
 
 -- name: op_purge_cutoff
 -- Fixed once per purge run, so a long run does not chase rows finished after it began.

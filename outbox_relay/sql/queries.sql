@@ -224,6 +224,92 @@ UPDATE {table} AS o
  WHERE o.id = expired.id
 RETURNING o.id, o.status;
 
+-- name: frag_waits_behind
+-- An ordered row o waits while an earlier ordered row of its aggregate is
+-- unfinished ('dead' counts: a dead head blocks its aggregate until a person
+-- acts). One probe of the unfinished-rows index.
+EXISTS (SELECT 1
+          FROM {table} AS prev
+         WHERE prev.aggregate_type = o.aggregate_type
+           AND prev.aggregate_id = o.aggregate_id
+           AND prev.id < o.id
+           AND prev.status IN ('pending', 'processing', 'dead')
+           AND (prev.ordered OR %(all_ordered)s
+                OR prev.event_type = ANY(%(ordered_types)s::text[])))
+
+-- name: frag_parked
+-- Parked rows (see claim_parking): an ordered row found waiting behind an
+-- unfinished one of its aggregate is set aside, its available_at moved 3,000
+-- years past the time it was parked, out of the range every claim walks (it
+-- was walked and probed again by every claim: one aggregate with 20,000 rows
+-- queued made each claim of the table take 265 ms). The band is far from any
+-- real due time (a delay is at most max_defer), so "parked" needs no column
+-- of its own and no migration, and the time it was parked stays readable for
+-- the rescuer's second look (reprobe_parked).
+o.available_at > coalesce(%(now)s::timestamptz, now()) + interval '1000 years'
+
+-- name: frag_park
+-- The available_at of a row parked now.
+coalesce(%(now)s::timestamptz, now()) + interval '3000 years'
+
+-- name: frag_unpark
+-- The available_at of a row made due again: when it began waiting (its due
+-- time as written), so that it keeps its place in the queue. A parked row
+-- was due when it was parked, so this is never later than now.
+least(coalesce(o.waiting_since, o.created_at), coalesce(%(now)s::timestamptz, now()))
+
+-- name: frag_claim_lease
+-- The lease a claim writes on each row of its CTE "ready" (id, max_attempts):
+-- the body of claim's and claim_parking's CTE "changed".
+UPDATE {table} AS o
+   SET status        = CASE WHEN o.attempts >= ready.max_attempts THEN 'dead'
+                            ELSE 'processing' END,
+       lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
+                            ELSE %(owner)s END,
+       -- A durable Celery task's row carries its own lease (queue wait +
+       -- body time, the task's outbox_lease_seconds, written by its
+       -- producer in headers); every other row gets the relay's.
+       lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
+                            ELSE coalesce(%(now)s::timestamptz, now()) + CASE
+                                WHEN o.event_type = 'celery.durable'
+                                 AND o.headers ? 'lease_seconds'
+                                THEN make_interval(secs => (o.headers->>'lease_seconds')::float8)
+                                ELSE %(lease)s::interval END
+                       END,
+       lease_version = o.lease_version + 1,
+       attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
+                            ELSE o.attempts + %(count_attempt)s END,
+       last_error    = CASE WHEN o.attempts >= ready.max_attempts
+                            THEN left('retries exhausted: ' || o.attempts || ' attempts used of '
+                                 || ready.max_attempts
+                                 || coalesce('; last: ' || o.last_error, ''), 2000)
+                            ELSE o.last_error END
+  FROM ready
+ WHERE o.id = ready.id
+ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
+       o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
+       o.ordered, o.status,
+       %(content)s OR o.event_type = 'celery.durable' AS whole,
+       -- Its last lease began a delivery that never ended: only the
+       -- rescuer gives such a row back (a finalize clears began_version).
+       coalesce(o.began_version = o.lease_version - 1, false) AS interrupted,
+       -- The payload's stored size (compressed, as on disk; read from its
+       -- header, never decompressed): the fan-out keeps a chunk's payloads
+       -- within a budget (fanout.CHUNK_PAYLOAD_BYTES).
+       pg_column_size(o.payload) AS stored_bytes
+
+-- name: frag_claim_rows
+-- What a claim returns of its CTE "changed": the leased rows.
+SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
+       CASE WHEN whole THEN payload END,
+       CASE WHEN whole THEN headers END,
+       operation_key,
+       CASE WHEN whole THEN created_at END,
+       CASE WHEN whole THEN lease_until END,
+       ordered, interrupted, stored_bytes
+  FROM changed
+ WHERE status = 'processing'
+
 -- name: claim
 -- Lease up to %(batch)s due pending rows (store.claim_batch makes it no more
 -- than the in-flight cap leaves). Expired leases are not taken here: the
@@ -256,67 +342,59 @@ WITH ready AS (
      WHERE o.status = 'pending'
        AND o.available_at <= coalesce(%(now)s::timestamptz, now())
        AND (NOT (o.ordered OR %(all_ordered)s OR o.event_type = ANY(%(ordered_types)s::text[]))
-            OR NOT EXISTS (
-                SELECT 1
-                  FROM {table} AS prev
-                 WHERE prev.aggregate_type = o.aggregate_type
-                   AND prev.aggregate_id = o.aggregate_id
-                   AND prev.id < o.id
-                   AND prev.status IN ('pending', 'processing', 'dead')
-                   AND (prev.ordered OR %(all_ordered)s
-                        OR prev.event_type = ANY(%(ordered_types)s::text[]))))
+            OR NOT {frag_waits_behind})
      ORDER BY o.available_at, o.id
      -- Under the in-flight cap, store.claim_batch has already counted the
      -- live leases (in_flight, under the claim's lock) into %(batch)s.
      LIMIT %(batch)s::int
        FOR UPDATE SKIP LOCKED
-), changed AS (
+), changed AS ({frag_claim_lease})
+{frag_claim_rows};
+
+-- name: claim_parking
+-- claim, for a claim under the in-flight cap's lock (claim_lock) that also
+-- parks what it walks past: a row marked ordered that waits behind an
+-- unfinished row of its aggregate (frag_waits_behind) is locked and parked
+-- (frag_parked) instead of being skipped, so that the next claims no longer
+-- walk and probe it. The rows walked are at most %(batch)s, leased and parked
+-- together: a claim that parked rows comes back short and the caller counts
+-- the parked ones as taken (more may be due).
+--
+-- A parked row is made due again by the write that finishes the row before
+-- it (promote, under the same lock: a claim that saw that row unfinished has
+-- committed its parking by then, or the finished row is visible to it, so no
+-- row is parked behind a row already finished); the rescuer looks at rows
+-- parked for long (reprobe_parked) in case any other writer finished it.
+-- Only the producer's mark counts here (ordered types and "every row" are
+-- the plain loop's, whose claims park nothing): promote looks for it alone.
+--
+-- Parked rows come back as rows whose lease_version is NULL.
+WITH walked AS (
+    SELECT o.id,
+           CASE WHEN o.event_type = 'celery.durable' AND o.headers ? 'max_attempts'
+                THEN (o.headers->>'max_attempts')::int ELSE %(max_attempts)s::int END
+               AS max_attempts,
+           CASE WHEN o.ordered THEN {frag_waits_behind} ELSE false END AS blocked
+      FROM {table} AS o
+     WHERE o.status = 'pending'
+       AND o.available_at <= coalesce(%(now)s::timestamptz, now())
+     ORDER BY o.available_at, o.id
+     LIMIT %(batch)s::int
+       FOR UPDATE SKIP LOCKED
+), parked AS (
     UPDATE {table} AS o
-       SET status        = CASE WHEN o.attempts >= ready.max_attempts THEN 'dead'
-                                ELSE 'processing' END,
-           lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
-                                ELSE %(owner)s END,
-           -- A durable Celery task's row carries its own lease (queue wait +
-           -- body time, the task's outbox_lease_seconds, written by its
-           -- producer in headers); every other row gets the relay's.
-           lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
-                                ELSE coalesce(%(now)s::timestamptz, now()) + CASE
-                                    WHEN o.event_type = 'celery.durable'
-                                     AND o.headers ? 'lease_seconds'
-                                    THEN make_interval(secs => (o.headers->>'lease_seconds')::float8)
-                                    ELSE %(lease)s::interval END
-                           END,
-           lease_version = o.lease_version + 1,
-           attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
-                                ELSE o.attempts + %(count_attempt)s END,
-           last_error    = CASE WHEN o.attempts >= ready.max_attempts
-                                THEN left('retries exhausted: ' || o.attempts || ' attempts used of '
-                                     || ready.max_attempts
-                                     || coalesce('; last: ' || o.last_error, ''), 2000)
-                                ELSE o.last_error END
-      FROM ready
-     WHERE o.id = ready.id
- RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
-           o.event_type, o.payload, o.headers, o.operation_key, o.created_at, o.lease_until,
-           o.ordered, o.status,
-           %(content)s OR o.event_type = 'celery.durable' AS whole,
-           -- Its last lease began a delivery that never ended: only the
-           -- rescuer gives such a row back (a finalize clears began_version).
-           coalesce(o.began_version = o.lease_version - 1, false) AS interrupted,
-           -- The payload's stored size (compressed, as on disk; read from its
-           -- header, never decompressed): the fan-out keeps a chunk's payloads
-           -- within a budget (fanout.CHUNK_PAYLOAD_BYTES).
-           pg_column_size(o.payload) AS stored_bytes
-)
-SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
-       CASE WHEN whole THEN payload END,
-       CASE WHEN whole THEN headers END,
-       operation_key,
-       CASE WHEN whole THEN created_at END,
-       CASE WHEN whole THEN lease_until END,
-       ordered, interrupted, stored_bytes
-  FROM changed
- WHERE status = 'processing';
+       SET available_at = {frag_park}
+      FROM walked
+     WHERE o.id = walked.id
+       AND walked.blocked
+    RETURNING o.id
+), ready AS (
+    SELECT id, max_attempts FROM walked WHERE NOT blocked
+), changed AS ({frag_claim_lease})
+{frag_claim_rows}
+UNION ALL
+SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM parked;
 
 -- name: begin
 -- A delivery task begins: the rows of its chunk still held under the given
@@ -416,7 +494,7 @@ UPDATE {table} AS o
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
    AND NOT (v.unless_begun AND o.began_version IS NOT DISTINCT FROM o.lease_version)
-RETURNING o.id;
+RETURNING o.id, o.ordered AND o.status = 'done';
 
 -- name: finalize_done
 -- finalize for a chunk whose every row was published (the usual case): what
@@ -432,7 +510,7 @@ UPDATE {table} AS o
  WHERE o.id = v.id
    AND o.lease_version = v.version
    AND o.lease_until IS NOT NULL
-RETURNING o.id;
+RETURNING o.id, o.ordered AND o.status = 'done';
 
 -- name: done_under
 -- Which of these rows are done under the very lease version given: after a
@@ -465,7 +543,57 @@ UPDATE {table} AS o
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
    AND NOT (%(unless_begun)s AND o.began_version IS NOT DISTINCT FROM o.lease_version)
+RETURNING o.id, o.ordered AND o.status = 'done';
+
+-- name: promote
+-- Make due again the parked successors of these rows, which just finished
+-- (done, in this transaction or before): for each of their aggregates, the
+-- first unfinished row marked ordered, if it is parked (frag_parked). Run
+-- under the claim's lock (claim_lock's key, advisory_lock), after the claim
+-- in progress, if any, has committed what it parked (see claim_parking).
+-- Making due a row that still waits is harmless: the next claim parks it
+-- again.
+UPDATE {table} AS o
+   SET available_at = {frag_unpark}
+  FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id
+          FROM {table} AS f
+         WHERE f.id = ANY(%(ids)b::bigint[])) AS a
+ CROSS JOIN LATERAL (
+       SELECT n.id
+         FROM {table} AS n
+        WHERE n.aggregate_type = a.aggregate_type
+          AND n.aggregate_id = a.aggregate_id
+          AND n.status IN ('pending', 'processing', 'dead')
+          AND n.ordered
+        ORDER BY n.id
+        LIMIT 1) AS head
+ WHERE o.id = head.id
+   AND o.status = 'pending'
+   AND {frag_parked}
 RETURNING o.id;
+
+-- name: reprobe_parked
+-- The rescuer's second look at rows parked longer than %(after)s: made due
+-- again when nothing unfinished is ahead of them any more (a finish that did
+-- not promote them: a worker of an earlier release in a rolling upgrade, a
+-- change by hand), parked anew otherwise. At most %(batch)s a run, the
+-- longest parked first; one probe each.
+WITH due AS (
+    SELECT o.id, {frag_waits_behind} AS blocked
+      FROM {table} AS o
+     WHERE o.status = 'pending'
+       AND {frag_parked}
+       AND o.available_at <= coalesce(%(now)s::timestamptz, now()) + interval '3000 years'
+                             - %(after)s::interval
+     ORDER BY o.available_at, o.id
+     LIMIT %(batch)s::int
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+   SET available_at = CASE WHEN due.blocked THEN {frag_park} ELSE {frag_unpark} END
+  FROM due
+ WHERE o.id = due.id
+RETURNING o.id, NOT due.blocked;
 
 -- name: extend_lease
 -- Fenced lease renewal (the heartbeat of long chunks), measured by the
@@ -494,10 +622,12 @@ SELECT count(*)
 -- Seconds until the first pending row that is not due yet falls due (a
 -- retry's backoff, a delayed message), NULL when there is none: one probe of
 -- the ready index, whatever the table holds.
-SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8
-  FROM {table}
- WHERE status = 'pending'
-   AND available_at > coalesce(%(now)s::timestamptz, now());
+SELECT extract(epoch FROM min(o.available_at) - coalesce(%(now)s::timestamptz, now()))::float8
+  FROM {table} AS o
+ WHERE o.status = 'pending'
+   AND o.available_at > coalesce(%(now)s::timestamptz, now())
+   -- Not a parked row (frag_parked), as a range of the index.
+   AND o.available_at <= coalesce(%(now)s::timestamptz, now()) + interval '1000 years';
 
 -- name: listen
 -- {channel} is the table's notification channel (OutboxTable.channel).

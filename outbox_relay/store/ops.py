@@ -22,6 +22,7 @@ from psycopg.pq import TransactionStatus
 
 from ..table import OutboxTable
 from ._base import MAX_ERROR_LENGTH, TableLike, queries, statement_tx, tableless
+from .relay import promote
 
 __all__ = [
     "RATE_WINDOW",
@@ -266,6 +267,11 @@ def _changed_and_notified(
 ) -> list[int]:
     with conn.transaction():
         rows = conn.execute(query, params).fetchall()
+        # op_dead_skip says which rows were marked ordered: their successors
+        # may be parked (queries.sql, claim_parking).
+        promote(
+            conn, [r[0] for r in rows if len(r) > 1 and r[1]], table=table, now=params.get("now")
+        )
         if rows:
             # Wake LISTENing workers now rather than at the next beat tick:
             # retried rows are due, and a skipped head frees its successors.

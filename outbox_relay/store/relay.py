@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, duration, queries, require_connection, statement_tx
@@ -32,7 +33,9 @@ __all__ = [
     "mark_dead",
     "mark_done",
     "next_due",
+    "promote",
     "reap",
+    "reprobe_parked",
     "reschedule",
     "rescue",
 ]
@@ -45,6 +48,8 @@ class Rescued:
 
     released: list[int]
     dead: list[int]
+    # Parked rows made due again by a second look (reprobe_parked).
+    unparked: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.released) + len(self.dead)
@@ -146,10 +151,18 @@ class ClaimBatch:
     # Another claim of the table was in progress and this one did not wait
     # for it (claim_batch's ``contend=False``): nothing was counted or claimed.
     busy: bool = False
+    # Ordered rows found waiting behind an unfinished one of their aggregate
+    # and parked (queries.sql, claim_parking): walked instead of leased.
+    parked: int = 0
+
+    @property
+    def taken(self) -> int:
+        """The rows this claim walked and took: leased or parked."""
+        return len(self.claimed) + self.parked
 
     @property
     def capped(self) -> bool:
-        return not self.busy and self.limit < self.batch and len(self.claimed) >= self.limit
+        return not self.busy and self.limit < self.batch and self.taken >= self.limit
 
 
 def claim_batch(
@@ -167,6 +180,7 @@ def claim_batch(
     table: TableLike = None,
     now: datetime | None = None,
     contend: bool = True,
+    park: bool = False,
 ) -> ClaimBatch:
     """``claim``, saying whether the in-flight cap cut it short.
 
@@ -175,6 +189,13 @@ def claim_batch(
     a claim whose rows are delivered by ``begin``, which reads them again.
     ``contend=False``: when another claim holds the cap's lock, return at once
     (``busy``) instead of queueing behind it only to find the rows it took.
+
+    ``park=True`` (the relay's claimer; needs ``max_in_flight``, whose lock
+    it relies on, and ``ordered=False``): the rows marked ordered that the
+    claim finds waiting behind an unfinished row of their aggregate are
+    parked, counted in ``parked`` and ``taken``, instead of being walked
+    past again by every claim; ``promote`` (run by ``finalize``) makes them
+    due again. A claim that parked rows may lease none while more are due.
 
     Under the cap's lock the live leases are counted first and the claim
     takes at most the room left: a claim that took all of a room smaller
@@ -185,6 +206,11 @@ def claim_batch(
     short claim then looked cut short, each one started a drain of its
     own, and claims that found nothing took most of the pool.)
     """
+    if park and (max_in_flight is None or ordered is not False):
+        raise ValueError(
+            "park=True needs max_in_flight (its lock orders parking and promote) and "
+            "ordered=False (only the producer's mark counts)"
+        )
     if batch <= 0:
         return ClaimBatch([], 0, batch)
     q = queries(table)
@@ -218,9 +244,61 @@ def claim_batch(
             "now": now,
             **_ordered_params(ordered),
         }
-        rows = conn.execute(q.claim, params).fetchall()
-    claimed = [_claimed(row, interrupted=row[12], stored_bytes=row[13]) for row in rows]
-    return ClaimBatch(sorted(claimed, key=lambda c: c.id), limit, batch)
+        rows = conn.execute(q.claim_parking if park else q.claim, params).fetchall()
+    # A parked row comes back with no lease version.
+    claimed = [
+        _claimed(row, interrupted=row[12], stored_bytes=row[13])
+        for row in rows
+        if row[1] is not None
+    ]
+    parked = len(rows) - len(claimed)
+    return ClaimBatch(sorted(claimed, key=lambda c: c.id), limit, batch, parked=parked)
+
+
+def promote(
+    conn: psycopg.Connection[Any],
+    finished: Sequence[int],
+    *,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> int:
+    """Make due again the parked successors of ``finished`` (rows marked
+    ordered that just became done), in the caller's transaction; return how
+    many. Takes the claim's lock first, so that a claim in progress has
+    committed the rows it parked (see claim_parking)."""
+    if not finished:
+        return 0
+    q = queries(table)
+    # The lock and the promote in one transaction (the lock is the
+    # transaction's): the caller's, or one of their own on an autocommit
+    # connection (finalize's done then committed just before: a process that
+    # dies in between leaves the successor to the rescuer's reprobe_parked).
+    idle = conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+    with require_connection(conn).transaction() if idle else nullcontext():
+        conn.execute(q.advisory_lock, {"key": f"{q.table.lock_key}:claim"})
+        return len(conn.execute(q.promote, {"ids": list(finished), "now": now}).fetchall())
+
+
+def reprobe_parked(
+    conn: psycopg.Connection[Any],
+    *,
+    after: timedelta,
+    batch: int = 1000,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[int]:
+    """The rescuer's second look at rows parked longer than ``after``: the ids
+    made due again (nothing unfinished ahead of them any more); the others
+    are parked anew."""
+    params = {
+        "after": after,
+        "batch": batch,
+        "now": now,
+        **_ordered_params(False),
+    }
+    with require_connection(conn).transaction():
+        rows = conn.execute(queries(table).reprobe_parked, params).fetchall()
+    return sorted(int(r[0]) for r in rows if r[1])
 
 
 # ---------------------------------------------------------------- delivery
@@ -337,24 +415,19 @@ def finalize(
     q = queries(table)
     if len(outcomes) == 1:
         keys = ("id", "version", "status", "delay", "refund", "error", "unless_begun")
-        one = dict(zip(keys, _finalize_params(outcomes[0])), now=now)
-        with statement_tx(conn) if savepoint else nullcontext():
-            rows = conn.execute(q.finalize_one, one).fetchall()
-        return {r[0] for r in rows}
-    if all(o.plainly_done for o in outcomes):
-        fenced = {
-            "ids": [o.id for o in outcomes],
-            "versions": [o.lease_version for o in outcomes],
-            "now": now,
-        }
-        with statement_tx(conn) if savepoint else nullcontext():
-            rows = conn.execute(q.finalize_done, fenced).fetchall()
-        return {r[0] for r in rows}
-    columns = list(zip(*(_finalize_params(o) for o in outcomes)))
-    keys = ("ids", "versions", "statuses", "delays", "refunds", "errors", "unless_begun")
-    params = dict(zip(keys, (list(c) for c in columns)), now=now)
+        query, params = q.finalize_one, dict(zip(keys, _finalize_params(outcomes[0])), now=now)
+    elif all(o.plainly_done for o in outcomes):
+        ids, versions = [o.id for o in outcomes], [o.lease_version for o in outcomes]
+        query, params = q.finalize_done, {"ids": ids, "versions": versions, "now": now}
+    else:
+        columns = list(zip(*(_finalize_params(o) for o in outcomes)))
+        keys = ("ids", "versions", "statuses", "delays", "refunds", "errors", "unless_begun")
+        query, params = q.finalize, dict(zip(keys, (list(c) for c in columns)), now=now)
     with statement_tx(conn) if savepoint else nullcontext():
-        rows = conn.execute(q.finalize, params).fetchall()
+        rows = conn.execute(query, params).fetchall()
+        # An ordered row done: the next of its aggregate may be parked, and
+        # becomes due in the same transaction as this done.
+        promote(conn, [r[0] for r in rows if r[1]], table=table, now=now)
     return {r[0] for r in rows}
 
 

@@ -1,0 +1,187 @@
+"""Ordered rows that wait behind an unfinished one are parked, once.
+
+A claim walks the due rows in order; an ordered row queued behind an
+unfinished row of its aggregate cannot be leased, and was walked and probed
+again by every claim: one aggregate with 20,000 rows queued made every claim
+of the table take 265 ms, whatever else was due. The relay's claim parks
+such a row (queries.sql, claim_parking) and the done of the row before it
+makes it due again (promote); the rescuer looks again at rows parked for long
+(reprobe_parked). These tests hold the relay's claim to that: each waiting row
+is walked once, delivered in order, never left parked behind a finished row.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_relay import NewMessage, enqueue_many, store
+from outbox_relay.model import Claimed, Outcome
+from outbox_relay.operations import dead_skip
+
+LEASE = timedelta(seconds=30)
+# A parked row's available_at is at least this far ahead (queries.sql, frag_parked).
+PARKED = timedelta(days=365 * 1000)
+
+
+def _enqueue(conn: psycopg.Connection[Any], aggregates: str, *, ordered: bool = True) -> list[int]:
+    return enqueue_many(
+        conn, [NewMessage("account", a, "moved", {"a": a}) for a in aggregates], ordered=ordered
+    )
+
+
+def _claim(conn: psycopg.Connection[Any], batch: int = 50) -> store.ClaimBatch:
+    """The relay's claim (services.Claimer): under the cap, parking."""
+    return store.claim_batch(
+        conn,
+        owner="w",
+        batch=batch,
+        lease=LEASE,
+        max_in_flight=1000,
+        count_attempt=False,
+        rescue_first=False,
+        park=True,
+    )
+
+
+def _done(conn: psycopg.Connection[Any], claimed: list[Claimed]) -> None:
+    assert store.finalize(conn, [Outcome.done(m) for m in claimed]) == {m.id for m in claimed}
+
+
+def _due(conn: psycopg.Connection[Any], message_id: int) -> datetime:
+    row = store.get_row(conn, message_id)
+    assert row is not None and row["status"] == "pending", row
+    return row["available_at"]
+
+
+def _is_parked(conn: psycopg.Connection[Any], message_id: int) -> bool:
+    row = conn.execute("SELECT now()").fetchone()
+    assert row is not None
+    return _due(conn, message_id) > row[0] + PARKED
+
+
+def test_a_deep_aggregate_is_walked_once_and_delivered_in_order(
+    conn: psycopg.Connection[Any],
+) -> None:
+    deep = _enqueue(conn, "A" * 200)
+    others = _enqueue(conn, "BCDEFGHIJK" * 10, ordered=False)
+    delivered: list[int] = []
+    parked = claims = 0
+    while True:
+        result = _claim(conn)
+        claims += 1
+        if not result.taken:
+            break
+        parked += result.parked
+        delivered += [m.id for m in result.claimed]
+        _done(conn, result.claimed)
+        assert claims < 1000, "the drain does not end"
+    assert sorted(delivered) == sorted(deep + others)
+    assert [i for i in delivered if i in set(deep)] == deep
+    # Each row behind the head was walked past once and parked once; without
+    # parking every claim walked all of them that were due (as many as 199).
+    assert parked == len(deep) - 1
+    # Nothing is left parked or due.
+    assert store.stats(conn)["pending"] == 0
+
+
+def test_a_parked_row_keeps_its_place_and_waits_for_the_row_before_it(
+    conn: psycopg.Connection[Any],
+) -> None:
+    first, second, third = _enqueue(conn, "AAA")
+    written = _due(conn, second)
+    result = _claim(conn)
+    assert [m.id for m in result.claimed] == [first]
+    assert result.parked == 2 and _is_parked(conn, second) and _is_parked(conn, third)
+    # Retried, dead: still unfinished, and the rows behind stay parked.
+    store.finalize(conn, [Outcome.retry(result.claimed[0], delay=timedelta(0), error="503")])
+    assert _is_parked(conn, second)
+    head = _claim(conn).claimed
+    assert [m.id for m in head] == [first]
+    store.finalize(conn, [Outcome.dead(head[0], error="422")])
+    assert _is_parked(conn, second) and _claim(conn).taken == 0
+    # An operator skips the dead head: the next row is due at the time it was
+    # written (its place in the queue), the one after it stays parked.
+    assert dead_skip(conn, [first]) == [first]
+    assert _due(conn, second) == written and _is_parked(conn, third)
+    assert [m.id for m in _claim(conn).claimed] == [second]
+    # A row the claim found already free is never parked.
+    assert store.stats(conn)["pending"] == 1
+
+
+def test_a_done_waits_for_the_claim_in_progress_before_it_promotes(dsn: str) -> None:
+    """The claim that parks a row saw its head unfinished; the head's done may
+    commit meanwhile. Its promote then runs after that claim has committed
+    (both take the claim's lock), so the row is made due, not left parked."""
+    with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(dsn) as claiming:
+        head, follower = _enqueue(conn, "AA")
+        [leased] = _claim(conn, batch=1).claimed
+        assert leased.id == head
+        finished = threading.Event()
+
+        def finish() -> None:
+            with psycopg.connect(dsn, autocommit=True) as other:
+                _done(other, [leased])
+            finished.set()
+
+        # A claim in progress: it parks the follower behind the unfinished
+        # head, and has not committed yet.
+        with claiming.transaction():
+            assert _claim(claiming).parked == 1
+            writer = threading.Thread(target=finish)
+            writer.start()
+            time.sleep(0.5)
+            # The head's done waits for the claim's lock, not the other way round.
+            assert not finished.is_set()
+        writer.join(10)
+        assert finished.is_set()
+        assert not _is_parked(conn, follower)
+        assert [m.id for m in _claim(conn).claimed] == [follower]
+
+
+def test_the_rescuer_frees_a_row_no_promote_reached(conn: psycopg.Connection[Any]) -> None:
+    """A row finished by a writer that does not promote (a worker of an
+    earlier release in a rolling upgrade, a change by hand): the rescuer's
+    second look makes its successor due; rows still waiting stay parked."""
+    head, second, third = _enqueue(conn, "AAA")
+    [leased] = _claim(conn).claimed
+    conn.execute(
+        "UPDATE outbox SET status = 'done', done_at = now(), lease_owner = NULL, "
+        "lease_until = NULL WHERE id = %s",
+        (head,),
+    )
+    # Not parked long enough yet.
+    assert store.reprobe_parked(conn, after=timedelta(seconds=60)) == []
+    assert _is_parked(conn, second)
+    later = datetime.now().astimezone() + timedelta(seconds=61)
+    assert store.reprobe_parked(conn, after=timedelta(seconds=60), now=later) == [second]
+    assert not _is_parked(conn, second) and _is_parked(conn, third)
+    assert leased.id == head
+
+
+def test_status_counts_parked_rows_and_no_wake_up_is_planned_for_them(
+    conn: psycopg.Connection[Any],
+) -> None:
+    _enqueue(conn, "AAAA")
+    _claim(conn)
+    stats = store.stats(conn)
+    assert (stats["pending"], stats["processing"]) == (3, 1)
+    # The oldest waiting message counts from when it was written, parked or not.
+    assert 0 <= stats["oldest_pending_age_seconds"] < 60
+    # A parked row falls due by its predecessor's done, not by a time.
+    assert store.next_due(conn) is None
+
+
+def test_claims_that_skip_ordered_rows_park_nothing(conn: psycopg.Connection[Any]) -> None:
+    _enqueue(conn, "AA")
+    _enqueue(conn, "BB", ordered=False)
+    # The articles' claim (no cap), and one ordering by event type: skipped, not parked.
+    plain = store.claim_batch(conn, owner="w", batch=10, lease=LEASE, ordered=["moved"])
+    assert plain.parked == 0 and len(plain.claimed) == 2
+    with pytest.raises(ValueError, match="park=True needs max_in_flight"):
+        store.claim_batch(conn, owner="w", batch=10, lease=LEASE, park=True)
