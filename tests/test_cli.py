@@ -758,3 +758,28 @@ def test_celery_outbox_help_shows_the_apps_table(dsn: str) -> None:
 def test_celery_command_is_the_same_cli() -> None:
     assert celery_command.name == "outbox"
     assert set(celery_command.commands) == set(main.commands)
+
+
+def test_inbox_purge_deletes_old_inbox_rows(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A receiving service's retention: nothing else deletes inbox rows."""
+    from outbox_relay.inbox import record
+
+    with conn.transaction():
+        for consumer, message in (("billing", "m1"), ("billing", "m2"), ("shipping", "m1")):
+            assert record(conn, consumer=consumer, message_id=message)
+        assert record(conn, consumer="billing", message_id="m3")
+    conn.execute(
+        "UPDATE outbox_inbox SET received_at = now() - interval '40 days' WHERE message_id <> 'm3'"
+    )
+    only = ok(cli("inbox", "purge", "--older-than", "30d", "--consumer", "billing", dsn=dsn))
+    assert "purged 2 inbox row(s) of consumer 'billing' from public.outbox_inbox" in only
+    assert "received over 30d 00h 00m ago" in only
+    every = ok(cli("inbox", "purge", "--older-than", "30d", dsn=dsn))
+    assert "purged 1 inbox row(s) from public.outbox_inbox" in every
+    left = conn.execute("SELECT consumer, message_id FROM outbox_inbox").fetchall()
+    assert left == [("billing", "m3")]
+    missing = cli("inbox", "purge", "--older-than", "30d", "--inbox-table", "app.inbox", dsn=dsn)
+    assert missing.exit_code == 1
+    assert "there is no inbox table app.inbox in this database" in missing.output
+    bad = cli("inbox", "purge", "--older-than", "30d", "--inbox-table", "in box", dsn=dsn)
+    assert bad.exit_code == 2 and "--inbox-table" in bad.output

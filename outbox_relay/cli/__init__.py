@@ -6,6 +6,7 @@
     status [--json] [--watch S] queue depth, oldest waiting message, leases, attempts
     dead list|retry|skip        inspect and release dead messages
     purge --older-than 7d       delete old done rows in bounded batches
+    inbox purge --older-than 30d  delete old inbox rows (a receiving service's retention)
     grant --role R --kind K     print least-privilege GRANT statements
     metrics [--port 9808]       serve Prometheus metrics
     demo [--orders N]           the whole relay end to end on this machine
@@ -30,6 +31,7 @@ from .common import Duration, group_options, parse_duration, setup
 from .dead import dead_group
 from .demo import demo_command
 from .grant import grant_command
+from .inbox import inbox_group
 from .metrics import metrics_command
 from .migrate import migrate_command
 from .purge import purge_command
@@ -42,6 +44,7 @@ _COMMANDS: tuple[click.Command, ...] = (
     status_command,
     dead_group,
     purge_command,
+    inbox_group,
     grant_command,
     metrics_command,
     demo_command,
