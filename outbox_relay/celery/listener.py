@@ -72,7 +72,8 @@ class NotifyListener:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def _fire(self) -> None:
+    def _fire(self, after: str = "NOTIFY") -> None:
+        """Send a claim; ``after``: what prompted it, for the log."""
         try:
             self.trigger()
             self.triggered += 1
@@ -80,8 +81,9 @@ class NotifyListener:
             due = self._unsent.hit()
             if due is not None:
                 log.warning(
-                    "could not send a claim task after NOTIFY (%d since the last such line; "
+                    "could not send a claim task after %s (%d since the last such line; "
                     "beat's tick claims meanwhile)",
+                    after,
                     due.count,
                     exc_info=due.first,
                 )
@@ -100,7 +102,7 @@ class NotifyListener:
                     store.listen(conn, table=self.table)
                     backoff = 0.5
                     # Rows may have arrived while we were not listening.
-                    self._fire()
+                    self._fire("LISTEN began (rows may have come before it)")
                     self._listen(conn)
             except Exception:
                 if self._stop.is_set():
