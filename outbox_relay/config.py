@@ -109,6 +109,24 @@ _TOOLING_PREFIXES = ("OUTBOX_TEST_", "OUTBOX_BENCH_")
 # Names under outbox_/OUTBOX_ read by other parts of outbox-relay, not by the
 # relay: the inbox's DSN (inbox/celery.py) and docker-compose's image tag.
 _OTHER_NAMES = frozenset({"inbox_dsn", "relay_version"})
+# Settings of django-celery-outbox (CELERY_OUTBOX_APP ...), which a Django
+# project moving from it keeps while that package is installed and its relay
+# drains the old table: Celery reads them under its namespace as outbox_app
+# and so on, and they are no misspelled settings of this relay.
+_DJANGO_CELERY_OUTBOX_NAMES = frozenset(
+    {
+        "app",
+        "disable_task_name_tags",
+        "dlq_retention",
+        "exclude_tasks",
+        "log_exception_traceback",
+        "monitored_tasks",
+        "pii_redactor",
+        "stale_timeout_seconds",
+        "structlog_context_keys",
+        "structlog_enabled",
+    }
+)
 # Names that were settings once, or that people try, with what to use instead.
 _HINTS = {
     "broker_url": "the Celery broker is CELERY_BROKER_URL (broker_url); a broker "
@@ -406,6 +424,8 @@ def _found_names(
             found[key[len("outbox_") :]] = CELERY_SETTING
         elif namespaced and key.startswith(namespaced):
             name = key[len(namespaced) :].lower()
+            if name in _DJANGO_CELERY_OUTBOX_NAMES:
+                continue
             if _conf_get(conf, f"outbox_{name}") is not None:
                 found.setdefault(name, _namespaced(namespaced))
     found.update(dict.fromkeys(overrides, KEYWORD))

@@ -384,6 +384,43 @@ def test_a_misspelled_setting_under_celerys_namespace_is_refused() -> None:
         inst.settings  # noqa: B018 (loading validates)
 
 
+def test_django_celery_outbox_settings_are_not_taken_for_misspelled_ones() -> None:
+    """A Django project moving from django-celery-outbox keeps its
+    ``CELERY_OUTBOX_APP`` (which that package's system check and relay
+    require while it is installed) until the old table is drained. Celery
+    reads it under its namespace as ``outbox_app``, and the relay's worker
+    and beat refused to start: "unknown outbox setting(s): Celery setting
+    CELERY_OUTBOX_APP". A misspelling of the relay's own is still refused."""
+    from celery import Celery
+
+    import outbox_relay
+
+    class DjangoSettings:
+        CELERY_BROKER_URL = "memory://"
+        CELERY_OUTBOX_APP = "proj.celery.app"
+        CELERY_OUTBOX_EXCLUDE_TASKS = ("outbox_relay.claim",)
+        CELERY_OUTBOX_STALE_TIMEOUT_SECONDS = 300
+        CELERY_OUTBOX_LEASE_SECONDS = 45
+
+    app = Celery("migrating", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    inst = outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    assert inst.settings.lease_seconds == 45
+
+    class Misspelled(DjangoSettings):
+        CELERY_OUTBOX_LEAES_SECONDS = 3
+
+    app = Celery("misspelled", set_as_current=False)
+    app.config_from_object(Misspelled, namespace="CELERY")
+    inst = outbox_relay.install(app, dsn="postgresql://db/app", publisher=print)
+    with pytest.raises(
+        ConfigError,
+        match=r"^unknown outbox setting\(s\): Celery setting "
+        r"CELERY_OUTBOX_LEAES_SECONDS \(did you mean",
+    ):
+        inst.settings  # noqa: B018 (loading validates)
+
+
 def test_install_keeps_the_users_task_routes_as_written() -> None:
     """install() turned a task_routes dict into a tuple (with its router
     appended): ``app.conf.task_routes.update(...)`` afterwards raised
