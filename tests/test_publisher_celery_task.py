@@ -296,3 +296,49 @@ def test_an_app_of_its_own_keeps_the_worker_apps_pool_limit() -> None:
         services.queued(worker_app, queue, purge=True)
         previous.set_current()
         worker_app.close()
+
+
+def test_rabbitmq_queue_declared_with_other_arguments_says_what_to_do() -> None:
+    """A consumer queue with a dead-letter exchange in its queue arguments (as
+    the Celery consumer tasks section suggests) and a publisher that sends to
+    it by name through another service's broker: RabbitMQ refuses the send's
+    declaration. Retried (the message goes through once they agree), and
+    last_error says what to change, not only RabbitMQ's PRECONDITION_FAILED."""
+    from kombu import Connection, Exchange, Queue
+
+    url = services.amqp_url()
+    if url is None:
+        pytest.skip("RabbitMQ is not available: set OUTBOX_TEST_AMQP_URL=amqp://user:pass@host//")
+    queue = f"consumer-dlx-{uuid.uuid4().hex[:10]}"
+    with Connection(url, connect_timeout=5) as broker:
+        Queue(
+            queue,
+            Exchange(queue, type="direct"),
+            routing_key=queue,
+            queue_arguments={"x-dead-letter-exchange": f"{queue}.dlx"},
+        )(broker.channel()).declare()
+    publisher = CeleryTaskPublisher("consumer.record_effect", broker_url=url, queue=queue)
+    message = outbox_relay.Message(
+        id=1,
+        idempotency_key="outbox-1",
+        aggregate_type="invoice",
+        aggregate_id="inv-1",
+        event_type="invoice.paid",
+        payload={"amount": 1},
+        headers={},
+        attempts=1,
+        lease_version=1,
+        created_at=None,
+    )
+    try:
+        with pytest.raises(outbox_relay.RetryableError) as raised:
+            publisher(message)
+        text = str(raised.value)
+        assert "PRECONDITION_FAILED" in text
+        assert f"queue '{queue}' exists with another x-dead-letter-exchange" in text
+        assert "RabbitMQ policy" in text
+        assert "celery_app" in text
+    finally:
+        publisher.app.close()
+        with Connection(url, connect_timeout=5) as broker:
+            broker.channel().queue_delete(queue)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -399,11 +400,35 @@ def sending(app: Any, what: str) -> Iterator[None]:
             "set task_create_missing_queues), then send it again with `outbox-relay dead retry`"
         ) from exc
     except (kombu.exceptions.KombuError, OSError) as exc:
-        raise RetryableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise RetryableError(f"{what}: {type(exc).__name__}: {exc}{_hint(exc)}") from exc
     except Exception as exc:
         if isinstance(exc, _broker_errors(app)):
-            raise RetryableError(f"{what}: {type(exc).__name__}: {exc}") from exc
+            raise RetryableError(f"{what}: {type(exc).__name__}: {exc}{_hint(exc)}") from exc
         raise
+
+
+_INEQUIVALENT_QUEUE = re.compile(
+    r"Queue\.declare: .*inequivalent arg '([^']+)' for queue '([^']*)'"
+)
+
+
+def _hint(exc: BaseException) -> str:
+    """What to do about a broker refusal an operator must fix, for last_error."""
+    found = _INEQUIVALENT_QUEUE.search(str(exc))
+    if found is None:
+        return ""
+    # Retried, not permanent: the message goes through once the declarations
+    # agree. Seen with a consumer queue given a dead-letter exchange through
+    # queue_arguments (docs/publishers.md, Celery consumer tasks): the send
+    # declares the queue by its name alone, and RabbitMQ refuses either
+    # declaration, whichever came second.
+    argument, queue = found.groups()
+    return (
+        f"; queue {queue!r} exists with another {argument} than this send declares it "
+        "with: give the queue that argument by a RabbitMQ policy rather than queue "
+        "arguments (rabbitmqctl set_policy ... --apply-to queues), or send through an app "
+        "whose task_queues declare the queue as its consumer does (celery_app)"
+    )
 
 
 @dataclass(frozen=True)
