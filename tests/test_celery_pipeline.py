@@ -387,7 +387,8 @@ def test_a_dead_letter_is_logged_and_sent_as_an_event(dsn, procs) -> None:
     assert "receiver rejected the message (test)" in event["reason"]
     assert event["uuid"], "sent on behalf of the deliver task"
     line = next(x for x in worker.text().splitlines() if f"outbox message {message_id} " in x)
-    assert "ERROR" in line and "is dead after 1 attempt(s): permanent:" in line
+    # It names the outbox: two services' dead letters on one log stream.
+    assert "ERROR" in line and "is dead after 1 attempt(s) in public.outbox: permanent:" in line
     assert "receiver rejected the message (test)" in line
 
 

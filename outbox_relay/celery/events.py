@@ -22,6 +22,11 @@ class TaskEvents:
     this thread. They carry ids, versions and reasons, never payloads.
     """
 
+    def __init__(self, table: str = "") -> None:
+        # The outbox the messages are in, for the log: two services on one
+        # log stream (or one worker's two apps) tell their dead letters apart.
+        self.table = table
+
     def _task(self) -> _Task | None:
         """The delivery task the events are sent for: the one running in this thread."""
         from celery import current_task
@@ -58,7 +63,7 @@ class TaskEvents:
         """These events for the task running here now, sent later from any
         thread: the completer finds a lost lease after the task returned."""
         task = self._task()
-        return self if task is None else _TaskEventsFor(task)
+        return self if task is None else _TaskEventsFor(task, self.table)
 
     def published(self, msg: Claimed, outcome: Outcome, seconds: float) -> None:
         pass
@@ -71,11 +76,12 @@ class TaskEvents:
         # SUCCESS: say it above INFO, and as an event monitors can count.
         reason = _short(outcome.error)
         log.error(
-            "outbox message %s v%s (%s) is dead after %s attempt(s): %s",
+            "outbox message %s v%s (%s) is dead after %s attempt(s)%s: %s",
             msg.id,
             msg.lease_version,
             msg.event_type,
             msg.attempts,
+            f" in {self.table}" if self.table else "",
             reason,
         )
         self._send(
@@ -106,7 +112,8 @@ class _Task:
 class _TaskEventsFor(TaskEvents):
     """``TaskEvents`` on behalf of one task, whichever thread sends them."""
 
-    def __init__(self, task: _Task) -> None:
+    def __init__(self, task: _Task, table: str = "") -> None:
+        super().__init__(table)
         self.task = task
 
     def _task(self) -> _Task | None:

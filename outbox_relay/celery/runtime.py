@@ -256,7 +256,7 @@ class Installation:
         self.overrides = dict(overrides)
         # Celery retry options given to install(); task_annotations win over them.
         self.task_options = dict(task_options or {})
-        self.observers: list[Observer] = [TaskEvents()]
+        self.observers: list[Observer] = [TaskEvents(outbox.table.qualified)]
         self._settings: Settings | None = None
         self._lock = threading.Lock()
         self._pid: int | None = None

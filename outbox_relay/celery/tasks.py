@@ -182,7 +182,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             services = inst.services()
             if services.rescuer.due(inst.settings.rescue_interval):
                 # What it frees, this claim takes (see services/rescuer.py).
-                _report_rescued(self, services.rescuer.run_once())
+                _report_rescued(self, services.rescuer.run_once(), inst.outbox.table.qualified)
             return claim_round(int(held_back), int(min_room), bool(contend))
         except psycopg.OperationalError as exc:
             _database_away(inst, exc)
@@ -259,7 +259,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         """Free expired leases (lost or stuck delivery tasks), whatever the room."""
         try:
             result = inst.services().rescuer.run_once()
-            _report_rescued(self, result)
+            _report_rescued(self, result, inst.outbox.table.qualified)
             # And a claim here, not only in a task of its own: the rescue task
             # can be the only one of a tick that reaches this relay's workers
             # (see services/rescuer.py). Not if another claim is under way.
@@ -338,11 +338,13 @@ def _one_outcome(report: DeliveryReport) -> str:
     return "nothing"
 
 
-def _report_rescued(task: Any, result: Rescued) -> None:
+def _report_rescued(task: Any, result: Rescued, table: str) -> None:
     if result.dead:
         log.warning(
-            "%d outbox message(s) went dead: their lease expired on the last attempt (ids %s)",
+            "%d outbox message(s) in %s went dead: their lease expired on the last attempt "
+            "(ids %s)",
             len(result.dead),
+            table,
             _ids(result.dead),
         )
         for outbox_id in result.dead:
