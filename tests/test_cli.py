@@ -783,3 +783,41 @@ def test_inbox_purge_deletes_old_inbox_rows(dsn: str, conn: psycopg.Connection[A
     assert "there is no inbox table app.inbox in this database" in missing.output
     bad = cli("inbox", "purge", "--older-than", "30d", "--inbox-table", "in box", dsn=dsn)
     assert bad.exit_code == 2 and "--inbox-table" in bad.output
+
+
+def test_retrying_lists_the_messages_waiting_for_a_retry_and_why(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """An operator asks why messages are late: which failed, what the receiver
+    said, when each is tried again. Untried and dead ones are not listed."""
+    now = past(seconds=0)
+    soon, later, untried, dead = add(conn, at=now, n=4)
+    claimed = claim_all(conn, now)
+    store.reschedule(
+        conn, claimed[soon], delay=timedelta(0), error="HTTP 503", refund_attempt=False, now=now
+    )
+    store.reschedule(
+        conn,
+        claimed[later],
+        delay=timedelta(minutes=5),
+        error="x" * 300 + " timeout",
+        refund_attempt=False,
+        now=now,
+    )
+    store.reschedule(conn, claimed[untried], delay=timedelta(0), error=None, refund_attempt=True)
+    assert store.mark_dead(conn, claimed[dead], error="HTTP 400", now=now)
+    shown = ok(cli("retrying", dsn=dsn, COLUMNS="200"))
+    assert "messages waiting for a retry in public.outbox" in shown
+    # The table's rows (a long error folds onto more lines, with no id).
+    lines = [x for x in shown.splitlines() if x.startswith("│") and x.split("│")[1].strip()]
+    assert [line.split("│")[1].strip() for line in lines] == [str(soon), str(later)]
+    assert "due now" in lines[0] and "HTTP 503" in lines[0]
+    assert re.search(r"in 4m 5\d ?s", lines[1]), lines[1]
+    assert "last errors cut to 160 characters" in shown
+    rows = json.loads(ok(cli("retrying", "--json", "--limit", "1", dsn=dsn)))
+    assert [(r["id"], r["attempts"], r["last_error"]) for r in rows] == [(soon, 1, "HTTP 503")]
+    conn.execute(
+        "UPDATE outbox SET status = 'done', done_at = now(), last_error = NULL"
+        " WHERE status = 'pending' AND attempts > 0"
+    )
+    assert "no message in public.outbox waits for a retry" in ok(cli("retrying", dsn=dsn))

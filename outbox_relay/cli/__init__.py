@@ -5,6 +5,7 @@
     migrate [--sql]             apply migrations, or print the pending DDL to review
     status [--json] [--watch S] queue depth, oldest waiting message, leases, attempts
     dead list|retry|skip        inspect and release dead messages
+    retrying                    messages waiting for a retry, with their last error
     purge --older-than 7d       delete old done rows in bounded batches
     inbox purge --older-than 30d  delete old inbox rows (a receiving service's retention)
     grant --role R --kind K     print least-privilege GRANT statements
@@ -35,6 +36,7 @@ from .inbox import inbox_group
 from .metrics import metrics_command
 from .migrate import migrate_command
 from .purge import purge_command
+from .retrying import retrying_command
 from .status import status_command
 
 __all__ = ["Duration", "celery_command", "main", "mask_dsn", "parse_duration"]
@@ -43,6 +45,7 @@ _COMMANDS: tuple[click.Command, ...] = (
     migrate_command,
     status_command,
     dead_group,
+    retrying_command,
     purge_command,
     inbox_group,
     grant_command,

@@ -149,6 +149,23 @@ SELECT id, aggregate_type, aggregate_id, event_type, attempts, lease_version,
  ORDER BY id
  LIMIT %(limit)s;
 
+-- name: op_retrying_list
+-- Messages waiting for another attempt after a failed one (pending with an
+-- attempt used, and a last error), the next due first, with when that is:
+-- what `outbox-relay retrying` shows an operator who asks why messages are
+-- late. Read through the pending rows' partial index (the ready index),
+-- filtering the untried out: the whole backlog at worst, an operator's query
+-- and not the relay's. No payloads, as dead list.
+SELECT id, aggregate_type, aggregate_id, event_type, attempts, created_at,
+       extract(epoch FROM available_at - coalesce(%(now)s::timestamptz, now()))::float8,
+       last_error
+  FROM {table}
+ WHERE status = 'pending'
+   AND attempts > 0
+   AND last_error IS NOT NULL
+ ORDER BY available_at, id
+ LIMIT %(limit)s;
+
 -- name: op_dead_count
 -- How many dead rows op_dead_list's filters match, beyond the page it shows,
 -- and what `dead retry|skip --all` asks a person to confirm. The dead rows

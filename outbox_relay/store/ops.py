@@ -31,6 +31,7 @@ __all__ = [
     "DeadRow",
     "PurgeResult",
     "QueueGauges",
+    "RetryingRow",
     "RoleKind",
     "attempts_distribution",
     "create_demo_orders",
@@ -45,6 +46,7 @@ __all__ = [
     "insert_demo_order",
     "outbox_tables",
     "purge",
+    "retrying_list",
     "stats",
     "status",
 ]
@@ -221,6 +223,47 @@ def dead_list(
     with statement_tx(conn):
         rows = conn.execute(queries(table).op_dead_list, params).fetchall()
     return [DeadRow(*row) for row in rows]
+
+
+@dataclass(frozen=True)
+class RetryingRow:
+    """One message waiting for its next attempt, as ``retrying`` shows it."""
+
+    id: int
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    attempts: int
+    created_at: datetime
+    # Seconds until the next attempt is due (0 or less: due now).
+    due_in_seconds: float
+    last_error: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "aggregate_type": self.aggregate_type,
+            "aggregate_id": self.aggregate_id,
+            "event_type": self.event_type,
+            "attempts": self.attempts,
+            "created_at": self.created_at.isoformat(),
+            "due_in_seconds": round(self.due_in_seconds, 3),
+            "last_error": self.last_error,
+        }
+
+
+def retrying_list(
+    conn: psycopg.Connection[Any],
+    *,
+    limit: int = 50,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[RetryingRow]:
+    """Messages waiting for another attempt after a failed one, the next due first."""
+    params = {"limit": max(0, limit), "now": now}
+    with statement_tx(conn):
+        rows = conn.execute(queries(table).op_retrying_list, params).fetchall()
+    return [RetryingRow(*row) for row in rows]
 
 
 def dead_count(
