@@ -243,7 +243,8 @@ EXISTS (SELECT 1
 -- years past the time it was parked, out of the range every claim walks (it
 -- was walked and probed again by every claim: one aggregate with 20,000 rows
 -- queued made each claim of the table take 265 ms). The band is far from any
--- real due time (a delay is at most max_defer), so "parked" needs no column
+-- real due time (a message's delay is at most 100 years, producer.MAX_DELAY;
+-- a retry's at most max_defer), so "parked" needs no column
 -- of its own and no migration, and the time it was parked stays readable for
 -- the rescuer's second look (reprobe_parked).
 o.available_at > coalesce(%(now)s::timestamptz, now()) + interval '1000 years'
