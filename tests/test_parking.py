@@ -159,9 +159,22 @@ def test_the_rescuer_frees_a_row_no_promote_reached(conn: psycopg.Connection[Any
     assert store.reprobe_parked(conn, after=timedelta(seconds=60)) == []
     assert _is_parked(conn, second)
     later = datetime.now().astimezone() + timedelta(seconds=61)
-    assert store.reprobe_parked(conn, after=timedelta(seconds=60), now=later) == [second]
+    again = timedelta(minutes=10)
+    assert store.reprobe_parked(conn, after=timedelta(seconds=60), again=again, now=later) == [
+        second
+    ]
     assert not _is_parked(conn, second) and _is_parked(conn, third)
     assert leased.id == head
+    # The one still waiting is looked at again 10 minutes later, not every
+    # minute: each look rewrites it.
+    before = _due(conn, third)
+    for minutes in (2, 9):
+        at = later + timedelta(minutes=minutes)
+        assert store.reprobe_parked(conn, after=timedelta(seconds=60), again=again, now=at) == []
+        assert _due(conn, third) == before
+    at = later + timedelta(minutes=10, seconds=1)
+    assert store.reprobe_parked(conn, after=timedelta(seconds=60), again=again, now=at) == []
+    assert _due(conn, third) > before and _is_parked(conn, third)
 
 
 def test_status_counts_parked_rows_and_no_wake_up_is_planned_for_them(

@@ -577,8 +577,10 @@ RETURNING o.id;
 -- The rescuer's second look at rows parked longer than %(after)s: made due
 -- again when nothing unfinished is ahead of them any more (a finish that did
 -- not promote them: a worker of an earlier release in a rolling upgrade, a
--- change by hand), parked anew otherwise. At most %(batch)s a run, the
--- longest parked first; one probe each.
+-- change by hand), parked anew otherwise, to be looked at again %(again)s
+-- later (dated that much ahead: a row behind a dead message for hours is
+-- rewritten every %(again)s, not every %(after)s). At most %(batch)s a run,
+-- the longest parked first; one probe each.
 WITH due AS (
     SELECT o.id, {frag_waits_behind} AS blocked
       FROM {table} AS o
@@ -591,7 +593,9 @@ WITH due AS (
        FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
-   SET available_at = CASE WHEN due.blocked THEN {frag_park} ELSE {frag_unpark} END
+   SET available_at = CASE WHEN due.blocked
+                           THEN {frag_park} + (%(again)s::interval - %(after)s::interval)
+                           ELSE {frag_unpark} END
   FROM due
  WHERE o.id = due.id
 RETURNING o.id, NOT due.blocked;

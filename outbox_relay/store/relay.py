@@ -283,15 +283,17 @@ def reprobe_parked(
     conn: psycopg.Connection[Any],
     *,
     after: timedelta,
+    again: timedelta | None = None,
     batch: int = 1000,
     table: TableLike = None,
     now: datetime | None = None,
 ) -> list[int]:
     """The rescuer's second look at rows parked longer than ``after``: the ids
     made due again (nothing unfinished ahead of them any more); the others
-    are parked anew."""
+    are parked anew, for another look ``again`` later (default ``after``)."""
     params = {
         "after": after,
+        "again": after if again is None else again,
         "batch": batch,
         "now": now,
         **_ordered_params(False),
