@@ -93,6 +93,12 @@ def status_table(snapshot: dict[str, Any]) -> Table:
     table.add_column("value", justify="right")
     for key in ("pending", "processing", "done", "dead"):
         table.add_row(f"{key} messages", str(snapshot[key]))
+        if key == "pending" and snapshot.get("parked"):
+            # Ordered messages behind a dead or in-flight one of their
+            # aggregate: `dead list` shows the dead ones that block.
+            table.add_row(
+                "  of which behind an earlier one of their aggregate", str(snapshot["parked"])
+            )
     age = snapshot["oldest_pending_age_seconds"]
     # Under a minute human_duration is already in seconds: say it once.
     shown = "none" if not age else human_duration(age) + (f" ({age:.1f}s)" if age >= 60 else "")

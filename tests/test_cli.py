@@ -60,7 +60,7 @@ def row(conn: psycopg.Connection[Any], message_id: int) -> dict[str, Any]:
 # What `status` shows of scenario() beyond the gauges: its one processing row's
 # lease has expired (nothing in flight), its done row finished hours ago, and
 # no cap is configured here (the default is shown).
-STATUS_ONLY = {"in_flight": 0, "done_last_minute": 0, "max_in_flight": 1000}
+STATUS_ONLY = {"in_flight": 0, "done_last_minute": 0, "max_in_flight": 1000, "parked": 0}
 
 
 def past(**delta: float) -> datetime:

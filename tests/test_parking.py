@@ -12,6 +12,7 @@ is walked once, delivered in order, never left parked behind a finished row.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from datetime import datetime, timedelta
@@ -19,8 +20,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from rich.console import Console
 
-from outbox_relay import NewMessage, enqueue_many, store
+from outbox_relay import NewMessage, enqueue_many, operations, store
 from outbox_relay.model import Claimed, Outcome
 from outbox_relay.operations import dead_skip
 
@@ -188,6 +190,14 @@ def test_status_counts_parked_rows_and_no_wake_up_is_planned_for_them(
     assert 0 <= stats["oldest_pending_age_seconds"] < 60
     # A parked row falls due by its predecessor's done, not by a time.
     assert store.next_due(conn) is None
+    # `outbox-relay status` says how many of the pending wait behind another.
+    snapshot = operations.status(conn)
+    assert (snapshot["pending"], snapshot["parked"]) == (3, 3)
+    table = Console(width=120, record=True)
+    table.print(operations.status_table(snapshot))
+    assert re.search(
+        r"of which behind an earlier one of their aggregate\s+│\s+3", table.export_text()
+    )
 
 
 def test_claims_that_skip_ordered_rows_park_nothing(conn: psycopg.Connection[Any]) -> None:

@@ -92,6 +92,16 @@ SELECT count(*)
  WHERE status = 'done'
    AND done_at > coalesce(%(now)s::timestamptz, now()) - %(within)s::interval;
 
+-- name: op_parked
+-- Rows parked behind an earlier, unfinished message of their aggregate
+-- (queries.sql, frag_parked), for `outbox-relay status`: a range of the ready
+-- index. Not in op_stats (and so not in every metrics scrape): they are
+-- counted as pending there.
+SELECT count(*)
+  FROM {table} AS o
+ WHERE o.status = 'pending'
+   AND {frag_parked};
+
 -- name: op_attempts_distribution
 -- Attempts spent by the messages still awaiting delivery. Each status walks
 -- its own partial index (ready, leased), never the finished rows.

@@ -141,14 +141,21 @@ def status(
     """What ``outbox-relay status --json`` prints: ``stats()`` plus ``attempts``
     (an object keyed by the attempt count as a string, as JSON needs),
     ``in_flight`` (processing rows whose lease is live: what the in-flight cap
-    counts) and ``done_last_minute`` (``done_recently``).
+    counts), ``done_last_minute`` (``done_recently``) and ``parked`` (pending
+    ordered rows waiting behind an earlier message of their aggregate).
     ``oldest_pending_age_seconds`` is None when nothing awaits delivery (the
     query's 0; the gauge keeps the 0)."""
     found = stats(conn, table=table, now=now)
     attempts = attempts_distribution(conn, table=table)
     recent = done_recently(conn, table=table, now=now)
+    with statement_tx(conn):
+        row = conn.execute(queries(table).op_parked, {"now": now}).fetchone()
     return {
         **{key: int(found[key]) for key in ("pending", "processing", "done", "dead")},
+        # Of the pending ones, those waiting behind an earlier message of
+        # their aggregate (a dead one, or one in flight): nothing to do for
+        # them but for that message.
+        "parked": int(row[0]) if row else 0,
         "oldest_pending_age_seconds": float(found["oldest_pending_age_seconds"]) or None,
         "expired_leases": int(found["expired_leases"]),
         "in_flight": int(found["processing"]) - int(found["expired_leases"]),
