@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +22,7 @@ import click
 import psycopg
 from psycopg import errors as pg_errors
 from rich.console import Console
+from rich.table import Table
 
 from .._redact import connect_error, mask_dsn, scrub
 from ..config import Settings, read_secret_file, refuse_unknown_environment
@@ -32,6 +33,7 @@ from ..store.schema import table_exists
 from ..table import OutboxTable
 
 __all__ = [
+    "ERROR_SHOWN",
     "CliState",
     "Duration",
     "command_options",
@@ -40,6 +42,7 @@ __all__ = [
     "group_options",
     "parse_duration",
     "pass_state",
+    "print_messages",
     "setup",
     "yes_option",
 ]
@@ -127,6 +130,28 @@ def yes_option(fn: F) -> F:
 def console(stderr: bool = False) -> Console:
     # Made per call: click's CliRunner swaps sys.stdout between invocations.
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+# Characters of last_error a table shows (--json shows the whole text).
+ERROR_SHOWN = 160
+
+
+def print_messages(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A page of messages as a table (``dead list``, ``retrying``): each row's
+    last cell is its ``last_error``, cut to ``ERROR_SHOWN`` characters, and a
+    line says so when one was."""
+    table = Table(title=title, title_justify="left")
+    for column in (*columns, "last error"):
+        table.add_column(column, overflow="fold")
+    cut = False
+    for *cells, error in rows:
+        if len(error) > ERROR_SHOWN:
+            error, cut = error[: ERROR_SHOWN - 1] + "…", True
+        table.add_row(*cells, error)
+    out = console()
+    out.print(table)
+    if cut:
+        out.print(f"(last errors cut to {ERROR_SHOWN} characters; --json shows them whole)")
 
 
 # ---------------------------------------------------------------- state

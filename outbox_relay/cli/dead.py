@@ -10,17 +10,23 @@ from typing import Any, TypeVar, cast
 
 import click
 import psycopg
-from rich.table import Table
 
 from .. import operations
 from ..table import OutboxTable
-from .common import CliState, Duration, command_options, confirm, console, pass_state, yes_option
+from .common import (
+    CliState,
+    Duration,
+    command_options,
+    confirm,
+    console,
+    pass_state,
+    print_messages,
+    yes_option,
+)
 
 __all__ = ["dead_group"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-# The table shows this much of each last_error (a webhook's body can be long).
-ERROR_SHOWN = 160
 # A message id is a bigint identity: positive, at most 2**63 - 1.
 MESSAGE_ID = click.IntRange(1, 2**63 - 1)
 
@@ -113,25 +119,21 @@ def dead_list_command(
     if not rows:
         out.print(f"no dead messages in {state.table.qualified} match")
         return
-    table = Table(title=f"dead messages in {state.table.qualified}", title_justify="left")
-    for column in ("id", "event type", "aggregate", "attempts", "created", "last error"):
-        table.add_column(column, overflow="fold")
-    cut = False
-    for r in rows:
-        error = r.last_error or ""
-        if len(error) > ERROR_SHOWN:
-            error, cut = error[: ERROR_SHOWN - 1] + "…", True
-        table.add_row(
-            str(r.id),
-            r.event_type,
-            f"{r.aggregate_type}/{r.aggregate_id}",
-            str(r.attempts),
-            r.created_at.isoformat(sep=" ", timespec="seconds"),
-            error,
-        )
-    out.print(table)
-    if cut:
-        out.print(f"(last errors cut to {ERROR_SHOWN} characters; --json shows them whole)")
+    print_messages(
+        f"dead messages in {state.table.qualified}",
+        ("id", "event type", "aggregate", "attempts", "created"),
+        [
+            (
+                str(r.id),
+                r.event_type,
+                f"{r.aggregate_type}/{r.aggregate_id}",
+                str(r.attempts),
+                r.created_at.isoformat(sep=" ", timespec="seconds"),
+                r.last_error or "",
+            )
+            for r in rows
+        ],
+    )
     if total > len(rows):
         out.print(
             f"(the first {len(rows)} of {total} that match; raise --limit or narrow "

@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 
 import click
-from rich.table import Table
 
 from .. import operations
-from .common import CliState, command_options, console, pass_state
-from .dead import ERROR_SHOWN
+from .common import CliState, command_options, console, pass_state, print_messages
 
 __all__ = ["retrying_command"]
 
@@ -36,31 +34,22 @@ def retrying_command(state: CliState, limit: int, as_json: bool) -> None:
     if not rows:
         out.print(f"no message in {state.table.qualified} waits for a retry")
         return
-    table = Table(
-        title=f"messages waiting for a retry in {state.table.qualified}", title_justify="left"
+    print_messages(
+        f"messages waiting for a retry in {state.table.qualified}",
+        ("id", "event type", "aggregate", "attempts", "next attempt"),
+        [
+            (
+                str(r.id),
+                r.event_type,
+                f"{r.aggregate_type}/{r.aggregate_id}",
+                str(r.attempts),
+                f"in {operations.human_duration(r.due_in_seconds)}"
+                if r.due_in_seconds > 0
+                else "due now",
+                r.last_error or "",
+            )
+            for r in rows
+        ],
     )
-    for column in ("id", "event type", "aggregate", "attempts", "next attempt", "last error"):
-        table.add_column(column, overflow="fold")
-    cut = False
-    for r in rows:
-        error = r.last_error or ""
-        if len(error) > ERROR_SHOWN:
-            error, cut = error[: ERROR_SHOWN - 1] + "…", True
-        due = (
-            f"in {operations.human_duration(r.due_in_seconds)}"
-            if r.due_in_seconds > 0
-            else "due now"
-        )
-        table.add_row(
-            str(r.id),
-            r.event_type,
-            f"{r.aggregate_type}/{r.aggregate_id}",
-            str(r.attempts),
-            due,
-            error,
-        )
-    out.print(table)
-    if cut:
-        out.print(f"(last errors cut to {ERROR_SHOWN} characters; --json shows them whole)")
     if len(rows) == limit:
         out.print(f"(the first {limit}; raise --limit for more)")

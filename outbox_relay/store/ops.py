@@ -12,7 +12,7 @@ changes ``lease_version``: it is the fencing token and only ever grows.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -188,6 +188,14 @@ class DeadFilter:
         }
 
 
+def _as_json(row: Any) -> dict[str, Any]:
+    """A listed row's fields for ``--json``: times in ISO 8601."""
+    return {
+        name: value.isoformat() if isinstance(value, datetime) else value
+        for name, value in asdict(row).items()
+    }
+
+
 @dataclass(frozen=True)
 class DeadRow:
     """One dead message as ``dead list`` shows it (payloads stay in the database:
@@ -204,17 +212,7 @@ class DeadRow:
     operation_key: str | None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "aggregate_type": self.aggregate_type,
-            "aggregate_id": self.aggregate_id,
-            "event_type": self.event_type,
-            "attempts": self.attempts,
-            "lease_version": self.lease_version,
-            "created_at": self.created_at.isoformat(),
-            "last_error": self.last_error,
-            "operation_key": self.operation_key,
-        }
+        return _as_json(self)
 
 
 def dead_list(
@@ -247,16 +245,7 @@ class RetryingRow:
     last_error: str | None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "aggregate_type": self.aggregate_type,
-            "aggregate_id": self.aggregate_id,
-            "event_type": self.event_type,
-            "attempts": self.attempts,
-            "created_at": self.created_at.isoformat(),
-            "due_in_seconds": round(self.due_in_seconds, 3),
-            "last_error": self.last_error,
-        }
+        return _as_json(self)
 
 
 def retrying_list(
