@@ -197,12 +197,8 @@ SET LOCAL synchronous_commit = on;
 -- own tick, so lost delivery tasks can never freeze the relay. It walks the
 -- leased index only.
 WITH expired AS (
-    -- A durable Celery task's row carries its own attempt limit (its
-    -- max_retries + 1, written by its producer); every other row has the relay's.
-    SELECT id,
-           CASE WHEN event_type = 'celery.durable' AND headers ? 'max_attempts'
-                THEN (headers->>'max_attempts')::int ELSE %(max_attempts)s::int END AS max_attempts
-      FROM {table}
+    SELECT id, {frag_max_attempts} AS max_attempts
+      FROM {table} AS o
      WHERE status = 'processing'
        AND lease_until < coalesce(%(now)s::timestamptz, now())
      ORDER BY lease_until
@@ -223,6 +219,13 @@ UPDATE {table} AS o
   FROM expired
  WHERE o.id = expired.id
 RETURNING o.id, o.status;
+
+-- name: frag_max_attempts
+-- A row's attempt limit: a durable Celery task's row carries its own (its
+-- max_retries + 1, written by its producer); every other row has the relay's
+-- %(max_attempts)s. For a row o (rescue, claim, claim_parking).
+CASE WHEN o.event_type = 'celery.durable' AND o.headers ? 'max_attempts'
+     THEN (o.headers->>'max_attempts')::int ELSE %(max_attempts)s::int END
 
 -- name: frag_waits_behind
 -- An ordered row o waits while an earlier ordered row of its aggregate is
@@ -334,11 +337,7 @@ SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type,
 -- of a chunked relay's pool time, and its two timestamps cost the claim's
 -- client more than all its other columns (1.4 us each here).
 WITH ready AS (
-    -- The row's attempt limit: a durable task's own (see rescue), else the relay's.
-    SELECT o.id,
-           CASE WHEN o.event_type = 'celery.durable' AND o.headers ? 'max_attempts'
-                THEN (o.headers->>'max_attempts')::int ELSE %(max_attempts)s::int END
-               AS max_attempts
+    SELECT o.id, {frag_max_attempts} AS max_attempts
       FROM {table} AS o
      WHERE o.status = 'pending'
        AND o.available_at <= coalesce(%(now)s::timestamptz, now())
@@ -371,10 +370,7 @@ WITH ready AS (
 --
 -- Parked rows come back as rows whose lease_version is NULL.
 WITH walked AS (
-    SELECT o.id,
-           CASE WHEN o.event_type = 'celery.durable' AND o.headers ? 'max_attempts'
-                THEN (o.headers->>'max_attempts')::int ELSE %(max_attempts)s::int END
-               AS max_attempts,
+    SELECT o.id, {frag_max_attempts} AS max_attempts,
            CASE WHEN o.ordered THEN {frag_waits_behind} ELSE false END AS blocked
       FROM {table} AS o
      WHERE o.status = 'pending'
