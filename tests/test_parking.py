@@ -208,3 +208,19 @@ def test_claims_that_skip_ordered_rows_park_nothing(conn: psycopg.Connection[Any
     assert plain.parked == 0 and len(plain.claimed) == 2
     with pytest.raises(ValueError, match="park=True needs max_in_flight"):
         store.claim_batch(conn, owner="w", batch=10, lease=LEASE, park=True)
+
+
+def test_the_rescuer_says_when_it_freed_a_row_no_promote_reached(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rows made due by the second look mean a writer finished their
+    predecessor without promoting them: the log names the table and ids."""
+    from outbox_relay.celery.tasks import _report_rescued
+    from outbox_relay.store.relay import Rescued
+
+    with caplog.at_level("WARNING", logger="outbox_relay.celery"):
+        _report_rescued(None, Rescued([], [], [7, 9]), "public.outbox")
+    assert "2 ordered message(s) in public.outbox were parked behind a message that had" in (
+        caplog.text
+    )
+    assert "(ids 7, 9)" in caplog.text

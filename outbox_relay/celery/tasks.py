@@ -367,6 +367,17 @@ def _report_rescued(task: Any, result: Rescued, table: str) -> None:
             len(result.released),
             _ids(result.released),
         )
+    if result.unparked:
+        # Expected only while workers of an earlier release (which do not
+        # promote) finish ordered rows, or after a change by hand.
+        log.warning(
+            "%d ordered message(s) in %s were parked behind a message that had finished "
+            "and are due again (ids %s): something finished it without promoting the next "
+            "(a worker of an earlier release, an UPDATE by hand)",
+            len(result.unparked),
+            table,
+            _ids(result.unparked),
+        )
 
 
 def claim_when_due(inst: Installation, delay: float | None) -> None:
