@@ -550,6 +550,27 @@ def test_ordered_event_types_publish_in_id_order(recorded_dsn, redis_broker, pro
         assert sequence == sorted(sequence), aggregate_id
 
 
+def test_one_busy_aggregate_moves_on_without_a_claim_per_message(
+    recorded_dsn, redis_broker, procs_factory
+):
+    """A delivery task that finishes an ordered message leases and delivers
+    the next one of its aggregate itself (tasks.follow): one aggregate's 400
+    messages take a handful of tasks, not 400 claims and 400 deliveries each
+    crossing the broker, and still go out in order, each once."""
+    procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds=3600)
+    worker = procs.worker(concurrency=2)
+    wait_for(lambda: "outbox_relay.claim" in worker.text(), timeout=20, what="startup claim")
+    with psycopg.connect(recorded_dsn) as conn:
+        ids = outbox_relay.enqueue_many(
+            conn, [NewMessage("ledger", "1", "posted", {"n": i}) for i in range(400)], ordered=True
+        )
+        conn.commit()
+    wait_for(lambda: all_done(recorded_dsn, 400), timeout=120, what="the aggregate delivered")
+    assert [r[0] for r in published(recorded_dsn)] == ids
+    tasks = len(re.findall(r"Task outbox_relay\.deliver(?:_batch)?\[\S+\] received", worker.text()))
+    assert 0 < tasks < 40, f"{tasks} delivery tasks for one aggregate's 400 messages"
+
+
 def test_two_beats_cause_no_double_delivery(recorded_dsn, redis_broker, procs_factory):
     procs = procs_factory(recorded_dsn, redis_broker, claim_interval_seconds="0.3", listen="false")
     procs.worker(concurrency=2)

@@ -224,3 +224,68 @@ def test_the_rescuer_says_when_it_freed_a_row_no_promote_reached(
         caplog.text
     )
     assert "(ids 7, 9)" in caplog.text
+
+
+# ------------------------------------------------------------------ following
+def _take_next(
+    conn: psycopg.Connection[Any], finished: list[int], cap: int | None = 1000
+) -> list[int]:
+    """The delivery task's lease of its aggregates' next messages (tasks.follow)."""
+    taken = store.take_next(
+        conn, finished, owner="w", lease=LEASE, max_attempts=3, max_in_flight=cap
+    )
+    return [m.id for m in taken]
+
+
+def test_a_finished_ordered_row_hands_its_aggregate_on_to_its_task(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """The task that made an ordered row done leases the next row of its
+    aggregate itself, instead of waiting for a claim to cross the broker;
+    only ever the first unfinished row, and only once the row before is done."""
+    a1, b1, a2, b2, a3 = _enqueue(conn, "ABABA")
+    claimed = _claim(conn).claimed
+    assert [m.id for m in claimed] == [a1, b1]
+    # Not done yet: nothing follows.
+    assert _take_next(conn, [a1, b1]) == []
+    _done(conn, claimed)
+    taken = _take_next(conn, [a1, b1])
+    assert taken == [a2, b2]
+    for message_id in taken:
+        row = store.get_row(conn, message_id)
+        assert row is not None
+        # Leased as a claim leases: a new version, the attempt left for begin.
+        assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", 1, 0)
+    assert _is_parked(conn, a3)
+    # Asked again for the same finished rows: their successors are taken.
+    assert _take_next(conn, [a1, b1]) == []
+    assert store.in_flight(conn) == 2
+
+
+def test_following_leaves_to_the_claim_what_it_handles_itself(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """A durable task's row (the fan-out sends it as the task), a row whose
+    last delivery was interrupted (delivered alone), one not due yet, one a
+    claim in progress holds: not taken. One out of attempts goes dead, as a
+    claim would send it. And never past the in-flight cap."""
+    heads = _enqueue(conn, "ABCDE")
+    nexts = _enqueue(conn, "ABCDE")
+    conn.execute("UPDATE outbox SET event_type = 'celery.durable' WHERE id = %s", (nexts[0],))
+    conn.execute("UPDATE outbox SET began_version = lease_version WHERE id = %s", (nexts[1],))
+    conn.execute(
+        "UPDATE outbox SET available_at = now() + interval '1 hour' WHERE id = %s", (nexts[2],)
+    )
+    conn.execute("UPDATE outbox SET attempts = 3 WHERE id = %s", (nexts[4],))
+    claimed = _claim(conn, batch=50).claimed
+    assert [m.id for m in claimed] == heads
+    _done(conn, claimed)
+    with psycopg.connect(conn.info.dsn) as other, other.transaction():
+        other.execute("SELECT 1 FROM outbox WHERE id = %s FOR UPDATE", (nexts[3],))
+        assert _take_next(conn, heads) == []
+    row = store.get_row(conn, nexts[4])
+    assert row is not None and row["status"] == "dead"
+    assert "retries exhausted" in row["last_error"]
+    # Unlocked: taken, but only as far as the cap leaves room.
+    assert _take_next(conn, heads, cap=0) == []
+    assert _take_next(conn, heads, cap=1) == [nexts[3]]

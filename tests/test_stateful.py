@@ -325,6 +325,54 @@ def test_outbox_state_machine(dsn: str) -> None:
                 assert row.available_at == self.now + DEFER
                 assert row.attempts == current.attempts - 1
 
+        @precondition(lambda self: self.relay and bool(self.holding()))
+        @rule(index=st.integers(0, 50))
+        def done_then_follow(self, index: int) -> None:
+            """A delivery task's done, then its lease of the next message of
+            that row's aggregate (store.take_next, the Celery task's follow)."""
+            worker, key, _ = self.pick(index)
+            before = table()
+            self.publish_and_finalize(index, "done")
+            after = table()
+            finished = (
+                [key[0]]
+                if (before[key[0]].status, after[key[0]].status)
+                == (
+                    "processing",
+                    "done",
+                )
+                else []
+            )
+            taken = store.take_next(
+                conn,
+                finished,
+                owner=worker,
+                lease=LEASE,
+                max_attempts=MAX_ATTEMPTS,
+                max_in_flight=CAP,
+                now=self.now,
+            )
+            assert len(taken) <= len(finished)
+            if not self.ordered:
+                assert taken == []
+            done = after[key[0]]
+            for m in taken:
+                was = after[m.id]
+                assert (was.aggregate_type, was.aggregate_id) == (
+                    done.aggregate_type,
+                    done.aggregate_id,
+                )
+                assert was.status == "pending" and was.available_at <= self.now, was
+                assert m.lease_version == was.lease_version + 1
+                # Its aggregate's first unfinished row: nothing before it waits.
+                assert not any(
+                    r.id < m.id
+                    and (r.aggregate_type, r.aggregate_id) == (was.aggregate_type, was.aggregate_id)
+                    and r.status in ("pending", "processing", "dead")
+                    for r in after.values()
+                ), m
+                self.held[worker][(m.id, m.lease_version)] = Held(m, self.now + LEASE)
+
         def begin(self, held: Held) -> None:
             """The delivery task begins: fence check, attempt counted."""
             before = table()

@@ -100,6 +100,24 @@ class Claimer:
         full = batch.taken >= self.batch_size
         return ClaimResult(batch.claimed, full, batch.capped, batch.busy, batch.parked)
 
+    def take_next(self, finished: list[int]) -> list[Claimed]:
+        """Lease the next message of the aggregates of ``finished`` (ordered
+        rows this process just made done), for its task to deliver at once
+        instead of leaving them to the next claim (store.take_next)."""
+        return self.db.run(
+            lambda conn: store.take_next(
+                conn,
+                finished,
+                owner=self.owner(),
+                lease=self.lease,
+                max_attempts=self.max_attempts,
+                max_in_flight=self.max_in_flight,
+                table=self.table,
+            ),
+            # As a claim: never repeat one whose COMMIT may have landed.
+            retry=False,
+        )
+
     def next_due(self) -> float | None:
         """Seconds until the first row that waits for its time (a retry's
         backoff, a delayed message) falls due; None when none waits."""

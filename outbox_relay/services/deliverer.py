@@ -116,14 +116,18 @@ class DeliveryReport:
     lost: int = 0
     # Still publishing when the task was interrupted: left to their leases.
     left_leased: int = 0
-    # Ordered messages finished: their aggregates' next messages are due now.
-    ordered_finished: int = 0
+    # Ordered messages done (ids): their aggregates' next messages are due now.
+    ordered_done: list[int] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
 
+    @property
+    def ordered_finished(self) -> int:
+        return len(self.ordered_done)
+
     def add(self, other: DeliveryReport) -> None:
-        names = ("done", "retried", "dead", "stale", "released", "lost", "left_leased")
-        for name in (*names, "ordered_finished"):
+        for name in ("done", "retried", "dead", "stale", "released", "lost", "left_leased"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ordered_done.extend(other.ordered_done)
         self.outcomes.extend(other.outcomes)
 
 
@@ -569,7 +573,8 @@ class Deliverer:
             report.outcomes.append(outcome)
             if outcome.status == "done":
                 report.done += 1
-                report.ordered_finished += int(row.claimed.ordered)
+                if row.claimed.ordered:
+                    report.ordered_done.append(row.claimed.id)
             elif outcome.status == "dead":
                 report.dead += 1
             else:

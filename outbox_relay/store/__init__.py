@@ -38,6 +38,7 @@ from .relay import (
     reprobe_parked,
     reschedule,
     rescue,
+    take_next,
 )
 from .schema import (
     applied_migrations,
@@ -86,4 +87,5 @@ __all__ = [
     "statement_tx",
     "stats",
     "table_exists",
+    "take_next",
 ]

@@ -38,6 +38,7 @@ __all__ = [
     "reprobe_parked",
     "reschedule",
     "rescue",
+    "take_next",
 ]
 
 
@@ -277,6 +278,49 @@ def promote(
     with require_connection(conn).transaction() if idle else nullcontext():
         conn.execute(q.advisory_lock, {"key": f"{q.table.lock_key}:claim"})
         return len(conn.execute(q.promote, {"ids": list(finished), "now": now}).fetchall())
+
+
+def take_next(
+    conn: psycopg.Connection[Any],
+    finished: Sequence[int],
+    *,
+    owner: str,
+    lease: timedelta,
+    max_attempts: int,
+    max_in_flight: int | None,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[Claimed]:
+    """Lease the next message of each aggregate of ``finished`` (ordered rows
+    just done), for the caller to deliver at once; sorted by id. A claim of
+    its own, as claim_batch's under the cap: its lock, its durable commit,
+    the live leases counted (a claim may have taken the room the finished
+    rows made). Rows come back as a claim without content returns them."""
+    if not finished:
+        return []
+    q = queries(table)
+    params: dict[str, Any] = {
+        "ids": list(finished),
+        "batch": len(finished),
+        "owner": owner,
+        "lease": lease,
+        "max_attempts": max_attempts,
+        "count_attempt": 0,
+        "content": False,
+        "now": now,
+    }
+    with require_connection(conn).transaction():
+        conn.execute(q.claim_lock, {"key": f"{q.table.lock_key}:claim"})
+        if max_in_flight is not None:
+            row = conn.execute(q.in_flight, {"now": now}).fetchone()
+            params["batch"] = min(len(finished), max_in_flight - (int(row[0]) if row else 0))
+            if params["batch"] <= 0:
+                return []
+        rows = conn.execute(q.take_next, params).fetchall()
+    return sorted(
+        (_claimed(row, interrupted=row[12], stored_bytes=row[13]) for row in rows),
+        key=lambda c: c.id,
+    )
 
 
 def reprobe_parked(
