@@ -230,11 +230,12 @@ def test_the_rescuer_says_when_it_freed_a_row_no_promote_reached(
 def _take_next(
     conn: psycopg.Connection[Any], finished: list[int], cap: int | None = 1000
 ) -> list[int]:
-    """The delivery task's lease of its aggregates' next messages (tasks.follow)."""
+    """The delivery task's lease of its aggregates' next messages (tasks._Follow)."""
     taken = store.take_next(
         conn, finished, owner="w", lease=LEASE, max_attempts=3, max_in_flight=cap
     )
-    return [m.id for m in taken]
+    assert all(b.started and b.lease_left_seconds > 29 for b in taken)
+    return [b.claimed.id for b in taken]
 
 
 def test_a_finished_ordered_row_hands_its_aggregate_on_to_its_task(
@@ -254,8 +255,11 @@ def test_a_finished_ordered_row_hands_its_aggregate_on_to_its_task(
     for message_id in taken:
         row = store.get_row(conn, message_id)
         assert row is not None
-        # Leased as a claim leases: a new version, the attempt left for begin.
-        assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", 1, 0)
+        # Leased as a claim leases (a new version), and begun: the attempt
+        # counted, as the task publishes it at once.
+        assert (row["status"], row["lease_version"], row["attempts"]) == ("processing", 1, 1)
+        began = conn.execute("SELECT began_version FROM outbox WHERE id = %s", (message_id,))
+        assert began.fetchone() == (1,)
     assert _is_parked(conn, a3)
     # Asked again for the same finished rows: their successors are taken.
     assert _take_next(conn, [a1, b1]) == []

@@ -338,6 +338,28 @@ def test_fenced_statements_probe_the_primary_key(big: psycopg.Connection[Any], b
     assert_probes_primary_key(explain(big, Q.begin_one, one_params(ids[0])))
 
 
+def test_following_ordered_aggregates_probes_keys_not_finished_rows(
+    big: psycopg.Connection[Any],
+) -> None:
+    """The delivery task's lease of the next messages of the ordered
+    aggregates it has just finished (take_next), and the promote in the done
+    before it: each row by its primary key, each aggregate's next row through
+    outbox_unfinished_agg; never a walk of the finished rows, nor of the done
+    index (a "status = 'done'" on the given ids let the planner choose it)."""
+    rows = big.execute(
+        "SELECT id FROM outbox WHERE status = 'done' ORDER BY id DESC LIMIT 50"
+    ).fetchall()
+    ids = [r[0] for r in rows]
+    follow = {"ids": ids, "batch": 50, "owner": "w", "lease": LEASE, "max_attempts": 12}
+    for query, params in ((Q.take_next, follow), (Q.promote, {"ids": ids})):
+        plan = explain(big, query, {**params, "now": None})
+        scans = outbox_scans(plan)
+        assert {index for _, index in scans} == {"outbox_pkey", "outbox_unfinished_agg"}, describe(
+            plan
+        )
+        assert {kind for kind, _ in scans} <= {"Index Scan", "Index Only Scan"}, describe(plan)
+
+
 def _to_positional(query: str) -> tuple[str, list[str]]:
     """``%(name)s`` (and binary ``%(name)b``) placeholders as ``$n``, for a server-side PREPARE."""
     names: list[str] = []

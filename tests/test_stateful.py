@@ -356,7 +356,8 @@ def test_outbox_state_machine(dsn: str) -> None:
             if not self.ordered:
                 assert taken == []
             done = after[key[0]]
-            for m in taken:
+            for began in taken:
+                m = began.claimed
                 was = after[m.id]
                 assert (was.aggregate_type, was.aggregate_id) == (
                     done.aggregate_type,
@@ -371,7 +372,11 @@ def test_outbox_state_machine(dsn: str) -> None:
                     and r.status in ("pending", "processing", "dead")
                     for r in after.values()
                 ), m
-                self.held[worker][(m.id, m.lease_version)] = Held(m, self.now + LEASE)
+                # Begun as well: the attempt counted (the task publishes it at once).
+                assert began.started and m.attempts == was.attempts + 1
+                self.held[worker][(m.id, m.lease_version)] = Held(
+                    m, self.now + LEASE, begun=True, started=True
+                )
 
         def begin(self, held: Held) -> None:
             """The delivery task begins: fence check, attempt counted."""

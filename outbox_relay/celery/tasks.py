@@ -29,7 +29,7 @@ from .._redact import connect_error
 from .._throttle import Throttle
 from ..model import LeaseRef
 from ..services import DeliveryReport
-from ..store.relay import Rescued
+from ..store.relay import Began, Rescued
 from . import names
 from .fanout import fan_out
 from .identity import origin_headers, send_back_if_foreign
@@ -120,78 +120,42 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         # The queue's name only for the error line: routing it is not free.
         return send_back_if_foreign(task, inst.identity(), inst.queue_as_written)
 
-    def after_delivery(
-        own: DeliveryReport, followed: DeliveryReport, claim_next: bool, refs: list[LeaseRef]
-    ) -> dict[str, int] | str:
-        if claim_next:
+    def after_delivery(report: DeliveryReport, refs: list[LeaseRef]) -> dict[str, int] | str:
+        if report.ordered_finished > report.followed:
             # An ordered message is done and its aggregate's next one was not
-            # followed (follow): a claim takes it. Without this an aggregate
-            # would advance one message per tick.
+            # taken by this task (_Follow): a claim takes it. Without this an
+            # aggregate would advance one message per tick.
             send(claim)
-        outcomes = [*own.outcomes, *followed.outcomes]
-        if own.retried or own.released or followed.retried or followed.released:
+        if report.retried or report.released:
             # Rows given back wait for a claim: one when the first falls due.
-            waits = [o.delay.total_seconds() for o in outcomes if o.status == "pending"]
-            if own.released or followed.released:
+            waits = [o.delay.total_seconds() for o in report.outcomes if o.status == "pending"]
+            if report.released:
                 waits.append(0.0)  # given back unpublished: due now
             claim_when_due(inst, min(waits, default=None))
         if len(refs) == 1:
             # One message: what became of it, as one word. Celery reprs every
             # result for its log and events; a dict's repr cost a twentieth
             # of a per-message delivery.
-            return _one_outcome(own)
-        return {"done": own.done, "retried": own.retried, "dead": own.dead}
-
-    def follow(done: list[int], started: float) -> tuple[DeliveryReport, bool]:
-        """Deliver the next message of each ordered aggregate this task has
-        just advanced, and theirs in turn, for up to FOLLOW_SECONDS: one
-        lease and one delivery in this task, where a claim task and a
-        delivery task would each cross the broker first (about 25 ms a
-        message, 40 a second for one aggregate). Returns what became of
-        them, and whether an aggregate was left to a claim (its next message
-        not due, locked by a claim in progress, or the time was up)."""
-        report = DeliveryReport()
-        services = inst.services()
-        soft, _ = time_limits(inst.settings)
-        while done:
-            elapsed = time.monotonic() - started
-            # Never past the task's soft time limit: the rounds so far, and
-            # this one's worst case.
-            worst = services.deliverer.worst_seconds(len(done))
-            if elapsed >= FOLLOW_SECONDS or elapsed + worst >= soft:
-                return report, True
-            try:
-                taken = services.claimer.take_next(done)
-            except psycopg.Error as exc:
-                log.warning("could not lease the next ordered messages (%s); a claim will", exc)
-                return report, True
-            if taken:
-                round_ = services.deliverer.deliver([c.ref for c in taken])
-                report.add(round_)
-            if len(taken) < len(done):
-                return report, True
-            done = round_.ordered_done
-        return report, False
+            return _one_outcome(report)
+        return {"done": report.done, "retried": report.retried, "dead": report.dead}
 
     def drained(drain: bool | str, refs: list[LeaseRef]) -> dict[str, int] | str:
         # ``drain`` (see fan_out): this task is halfway through a round of a
         # drain; it sends the next claim as it starts ("start", or True), or
         # once its own rows are finished ("end": the round was cut short by
         # the in-flight cap, and only finished rows make room).
-        started = time.monotonic()
+        follow = _Follow(inst)
         if drain and drain != "end":
             send(claim, hint_args(inst.settings))
-        deliverer = inst.services().deliverer
+        services = inst.services()
         try:
-            own = deliverer.deliver(refs)
+            return after_delivery(services.deliverer.deliver(refs, follow), refs)
         finally:
             if drain == "end":
                 # The claim counts the room this task's row makes: its done
                 # written now, not by the completer a moment later.
-                deliverer.flush()
+                services.deliverer.flush()
                 send(claim, hint_args(inst.settings))
-        followed, claim_next = follow(own.ordered_done, started)
-        return after_delivery(own, followed, claim_next, refs)
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
     def deliver(
@@ -424,6 +388,28 @@ def _report_rescued(task: Any, result: Rescued, table: str) -> None:
             table,
             _ids(result.unparked),
         )
+
+
+class _Follow:
+    """A delivery task goes on with the next message of each ordered
+    aggregate it advanced (Deliverer.deliver's ``follow``), for up to
+    FOLLOW_SECONDS: leased and begun in the transaction of the done before
+    it, published by this task. Each message of an aggregate otherwise waited
+    for a claim task and a delivery task to cross the broker (about 25 ms:
+    40 a second for one aggregate). Never past the task's soft time limit."""
+
+    def __init__(self, inst: Installation) -> None:
+        self.inst = inst
+        self.started = time.monotonic()
+        self.soft, _ = time_limits(inst.settings)
+
+    def wants(self, rows: int) -> bool:
+        elapsed = time.monotonic() - self.started
+        worst = self.inst.services().deliverer.worst_seconds(rows)
+        return elapsed < FOLLOW_SECONDS and elapsed + worst < self.soft
+
+    def take(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Began]:
+        return self.inst.services().claimer.take_next(conn, finished)
 
 
 def claim_when_due(inst: Installation, delay: float | None) -> None:

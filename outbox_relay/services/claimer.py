@@ -5,10 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
+
+import psycopg
 
 from .. import store
 from ..db import Database
 from ..model import Claimed
+from ..store.relay import Began
 from ..table import OutboxTable
 
 __all__ = ["ClaimResult", "Claimer"]
@@ -100,22 +104,19 @@ class Claimer:
         full = batch.taken >= self.batch_size
         return ClaimResult(batch.claimed, full, batch.capped, batch.busy, batch.parked)
 
-    def take_next(self, finished: list[int]) -> list[Claimed]:
-        """Lease the next message of the aggregates of ``finished`` (ordered
-        rows this process just made done), for its task to deliver at once
-        instead of leaving them to the next claim (store.take_next)."""
-        return self.db.run(
-            lambda conn: store.take_next(
-                conn,
-                finished,
-                owner=self.owner(),
-                lease=self.lease,
-                max_attempts=self.max_attempts,
-                max_in_flight=self.max_in_flight,
-                table=self.table,
-            ),
-            # As a claim: never repeat one whose COMMIT may have landed.
-            retry=False,
+    def take_next(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Began]:
+        """Lease and begin the next message of the aggregates of ``finished``
+        (ordered rows just made done), in the caller's transaction, for its
+        delivery to publish at once instead of leaving them to the next
+        claim (store.take_next)."""
+        return store.take_next(
+            conn,
+            finished,
+            owner=self.owner(),
+            lease=self.lease,
+            max_attempts=self.max_attempts,
+            max_in_flight=self.max_in_flight,
+            table=self.table,
         )
 
     def next_due(self) -> float | None:

@@ -36,7 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
+
+import psycopg
 
 from .. import store
 from ..db import Database
@@ -56,6 +58,7 @@ __all__ = [
     "RAMP_SECONDS",
     "Deliverer",
     "DeliveryReport",
+    "Follow",
     "Observer",
     "Publisher",
     "publish_loop",
@@ -118,6 +121,9 @@ class DeliveryReport:
     left_leased: int = 0
     # Ordered messages done (ids): their aggregates' next messages are due now.
     ordered_done: list[int] = field(default_factory=list)
+    # Of those next messages, how many this delivery took and delivered too
+    # (``Deliverer.deliver``'s ``follow``): the rest are a claim's.
+    followed: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
 
     @property
@@ -125,10 +131,24 @@ class DeliveryReport:
         return len(self.ordered_done)
 
     def add(self, other: DeliveryReport) -> None:
-        for name in ("done", "retried", "dead", "stale", "released", "lost", "left_leased"):
+        names = ("done", "retried", "dead", "stale", "released", "lost", "left_leased", "followed")
+        for name in names:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.ordered_done.extend(other.ordered_done)
         self.outcomes.extend(other.outcomes)
+
+
+class Follow(Protocol):
+    """How a delivery goes on with the next messages of the ordered
+    aggregates it advanced (the Celery relay's, celery/tasks.py)."""
+
+    def wants(self, rows: int) -> bool:
+        """Whether to take the next messages of ``rows`` aggregates now."""
+        ...
+
+    def take(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Began]:
+        """Lease and begin them, in the caller's transaction (store.take_next)."""
+        ...
 
 
 class _NotPublished:
@@ -267,8 +287,13 @@ class Deliverer:
         return -(-max(size, 1) // self.concurrency) * self.publish_timeout
 
     # -------------------------------------------------------------- delivery
-    def deliver(self, refs: Sequence[LeaseRef]) -> DeliveryReport:
-        """Begin, publish, classify and finalize one chunk of leased messages."""
+    def deliver(self, refs: Sequence[LeaseRef], follow: Follow | None = None) -> DeliveryReport:
+        """Begin, publish, classify and finalize one chunk of leased messages.
+
+        ``follow``: as the chunk's ordered rows become done, lease and begin
+        the next message of their aggregates in the same transaction and
+        deliver those too, round after round, while ``follow.wants`` it.
+        """
         report = DeliveryReport()
         worst = self.worst_seconds(len(refs))
         began = self.db.run(
@@ -281,6 +306,22 @@ class Deliverer:
             )
         )
         ready, released = self._sort(refs, began, worst, report)
+        while True:
+            ready = self._round(ready, released, worst, report, follow)
+            if not ready:
+                return report
+            report.followed += len(ready)
+            released, worst = [], self.worst_seconds(len(ready))
+
+    def _round(
+        self,
+        ready: list[Began],
+        released: list[Outcome],
+        worst: float,
+        report: DeliveryReport,
+        follow: Follow | None,
+    ) -> list[Began]:
+        """Publish and finalize begun rows; the next ones taken (``follow``)."""
         if self.completer is not None and any(row.claimed.attempts > 1 for row in ready):
             # A row tried before may be one that kills its process (a poison
             # message): the done this process gathered is written first, so
@@ -300,10 +341,12 @@ class Deliverer:
             except Exception as exc:  # a soft time limit: finalize, then re-raise
                 interrupted = exc
                 self._collect_after(exc, run)
-        self._finish(ready, run.results, released, report)
+        taken = self._finish(
+            ready, run.results, released, report, follow if interrupted is None else None
+        )
         if interrupted is not None:
             raise interrupted
-        return report
+        return taken
 
     def _sort(
         self,
@@ -537,7 +580,8 @@ class Deliverer:
         results: Sequence[_Result],
         released: list[Outcome],
         report: DeliveryReport,
-    ) -> None:
+        follow: Follow | None = None,
+    ) -> list[Began]:
         # Rows without a result (an inline chunk interrupted before reaching
         # them) are given back unpublished like the ones skipped on purpose.
         interrupted = _NotPublished("the delivery task was interrupted")
@@ -555,8 +599,13 @@ class Deliverer:
         finished, outcomes = self._hand_over(finished, outcomes, report)
         writes = outcomes + released
         if not writes:
-            return
-        changed = self.db.run(lambda conn: store.finalize(conn, writes, table=self.table))
+            return []
+        ordered = [
+            outcome.id
+            for (row, _), outcome in zip(finished, outcomes)
+            if row.claimed.ordered and outcome.status == "done"
+        ]
+        changed, taken = self._write(writes, ordered, follow)
         report.released = sum(1 for o in released if o.id in changed)
         for (row, (result, seconds)), outcome in zip(finished, outcomes):
             # An inline publish the interruption unwound is a failed attempt
@@ -579,6 +628,33 @@ class Deliverer:
                 report.dead += 1
             else:
                 report.retried += 1
+        return taken
+
+    def _write(
+        self, writes: list[Outcome], ordered: list[int], follow: Follow | None
+    ) -> tuple[set[int], list[Began]]:
+        """Finalize ``writes``, and with ``follow`` take, in the same
+        transaction (one commit), the next messages of the aggregates of the
+        ``ordered`` rows written done; the ids changed and the rows taken."""
+        if follow is None or not ordered or not follow.wants(len(ordered)):
+            return self.db.run(lambda conn: store.finalize(conn, writes, table=self.table)), []
+        tries = 0
+
+        def write(conn: Any) -> tuple[set[int], list[Began]]:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                # Tried again after a broken connection: the first try may
+                # have committed its take, whose rows then wait out their
+                # lease (the rescuer frees them); taking again could not
+                # tell them apart. The finalize alone.
+                return store.finalize(conn, writes, table=self.table), []
+            with conn.transaction():
+                changed = store.finalize(conn, writes, table=self.table, savepoint=False)
+                done = [i for i in ordered if i in changed]
+                return changed, follow.take(conn, done) if done else []
+
+        return self.db.run(write)
 
     def _hand_over(
         self,

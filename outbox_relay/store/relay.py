@@ -290,12 +290,14 @@ def take_next(
     max_in_flight: int | None,
     table: TableLike = None,
     now: datetime | None = None,
-) -> list[Claimed]:
-    """Lease the next message of each aggregate of ``finished`` (ordered rows
-    just done), for the caller to deliver at once; sorted by id. A claim of
-    its own, as claim_batch's under the cap: its lock, its durable commit,
-    the live leases counted (a claim may have taken the room the finished
-    rows made). Rows come back as a claim without content returns them."""
+) -> list[Began]:
+    """Lease and begin the next message of each aggregate of ``finished``
+    (ordered rows just done), for the caller to publish at once; sorted by
+    id. A claim, as claim_batch's under the cap: the claim's lock, a durable
+    commit, the live leases counted (a claim may have taken the room the
+    finished rows made); and a begin: the attempt counted. In the caller's
+    transaction (the finalize of ``finished``, one commit for both), or one
+    of its own on an autocommit connection."""
     if not finished:
         return []
     q = queries(table)
@@ -305,11 +307,10 @@ def take_next(
         "owner": owner,
         "lease": lease,
         "max_attempts": max_attempts,
-        "count_attempt": 0,
-        "content": False,
         "now": now,
     }
-    with require_connection(conn).transaction():
+    idle = conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+    with require_connection(conn).transaction() if idle else nullcontext():
         conn.execute(q.claim_lock, {"key": f"{q.table.lock_key}:claim"})
         if max_in_flight is not None:
             row = conn.execute(q.in_flight, {"now": now}).fetchone()
@@ -317,10 +318,7 @@ def take_next(
             if params["batch"] <= 0:
                 return []
         rows = conn.execute(q.take_next, params).fetchall()
-    return sorted(
-        (_claimed(row, interrupted=row[12], stored_bytes=row[13]) for row in rows),
-        key=lambda c: c.id,
-    )
+    return sorted((_began(row) for row in rows), key=lambda b: b.claimed.id)
 
 
 def reprobe_parked(
