@@ -473,6 +473,25 @@ def test_broker_forgets_its_queue(recorded_dsn, redis_broker, procs_factory):
     assert {r[0] for r in published(recorded_dsn)} == set(ids)
 
 
+def test_a_later_releases_tasks_with_more_arguments_still_run(
+    recorded_dsn, redis_broker, procs_factory
+):
+    """In a rolling upgrade this release's workers take the next release's
+    tasks from the same queue: arguments added by then are ignored, not a
+    TypeError (an earlier release failed every newer claim task that way)."""
+    procs = procs_factory(recorded_dsn, redis_broker, listen="false", claim_interval_seconds=3600)
+    worker = procs.worker(concurrency=1)
+    ids = enqueue_orders(recorded_dsn, 5)
+    app = _client_app(redis_broker)
+    app.send_task(
+        "outbox_relay.claim", args=(0, 0, True, "added later"), kwargs={"hint": 1}, queue="outbox"
+    )
+    app.send_task("outbox_relay.rescue", args=("added later",), queue="outbox")
+    wait_for(lambda: all_done(recorded_dsn, 5), timeout=30, what=lambda: worker.text()[-3000:])
+    assert {r[0] for r in published(recorded_dsn)} == set(ids)
+    assert "TypeError" not in worker.text()
+
+
 def test_stale_task_does_not_publish(recorded_dsn, redis_broker, procs_factory):
     procs = procs_factory(recorded_dsn, redis_broker, listen="false")
     worker = procs.worker(concurrency=1)

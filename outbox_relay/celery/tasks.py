@@ -97,6 +97,13 @@ def hint_args(
     return (MAX_HELD_BACK_ROUNDS if last_round else 0, hint_room(settings), contend)
 
 
+# Every relay task takes ``*later, **later_options`` and ignores them: the
+# arguments a later release adds. In a rolling upgrade the workers of this
+# release take the later release's tasks from the same queue, and a claim
+# with one argument more failed with a TypeError in each of them (383 in 40 s
+# in a walkthrough, docs/operations.md, Upgrading). A release that adds an
+# argument keeps its old meaning as the default, so ignoring it is safe.
+#
 # shared=False: Celery would otherwise add a task to every app created in the
 # process, and a second app's relay tasks would run with the first app's
 # installation (its database, its publisher).
@@ -159,7 +166,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
 
     @app.task(name=names.DELIVER, **_TASK)  # type: ignore[untyped-decorator]
     def deliver(
-        self: Any, outbox_id: int, lease_version: int, drain: bool | str = False
+        self: Any,
+        outbox_id: int,
+        lease_version: int,
+        drain: bool | str = False,
+        *later: Any,
+        **later_options: Any,
     ) -> dict[str, int] | str:
         """Deliver one leased message (the default, one task per message);
         returns what became of it: done, retried, dead, released, stale or lost
@@ -170,7 +182,11 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
 
     @app.task(name=names.DELIVER_BATCH, **_TASK)  # type: ignore[untyped-decorator]
     def deliver_batch(
-        self: Any, refs: list[list[int]], drain: bool | str = False
+        self: Any,
+        refs: list[list[int]],
+        drain: bool | str = False,
+        *later: Any,
+        **later_options: Any,
     ) -> dict[str, int] | str:
         """Deliver a chunk: one begin, concurrent publishes, one batched finalize."""
         if foreign(self):
@@ -179,7 +195,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
 
     @app.task(name=names.CLAIM, **_TASK)  # type: ignore[untyped-decorator]
     def claim(
-        self: Any, held_back: int = 0, min_room: int = 0, contend: bool = True
+        self: Any,
+        held_back: int = 0,
+        min_room: int = 0,
+        contend: bool = True,
+        *later: Any,
+        **later_options: Any,
     ) -> dict[str, int]:
         """Claim due rows under the cap and fan them out; keep draining while
         batches come back full. ``held_back`` counts the rounds in a row that
@@ -265,7 +286,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         return {"claimed": len(result.claimed)}
 
     @app.task(name=names.RESCUE, **_TASK)  # type: ignore[untyped-decorator]
-    def rescue(self: Any) -> dict[str, int]:
+    def rescue(self: Any, *later: Any, **later_options: Any) -> dict[str, int]:
         """Free expired leases (lost or stuck delivery tasks), whatever the room."""
         try:
             result = inst.services().rescuer.run_once()
@@ -280,7 +301,7 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
         return {"released": len(result.released), "dead": len(result.dead)}
 
     @app.task(name=names.PURGE, **_TASK)  # type: ignore[untyped-decorator]
-    def purge(self: Any) -> dict[str, int]:
+    def purge(self: Any, *later: Any, **later_options: Any) -> dict[str, int]:
         """Delete done rows older than OUTBOX_PURGE_AFTER_SECONDS, in bounded
         batches; while more are due, another purge task follows this one."""
         result = inst.services().purger.run_once()
