@@ -1061,8 +1061,9 @@ def main(argv: list[str] | None = None) -> int:
             if want("ordered") and not args.quick:
                 # Ordered rows: each aggregate's next message is claimable only
                 # once the one before it is done. Many shallow aggregates, then
-                # a few deep ones (docs/benchmarks.md, "Ordered delivery").
-                for aggregates, count in ((1000, bulk // 4), (10, 2_000)):
+                # a few deep ones, then one (docs/benchmarks.md, "Ordered
+                # delivery"); sizes for windows of a few seconds each.
+                for aggregates, count in ((1000, bulk // 4), (10, 10_000), (1, 2_000)):
                     record(
                         f"ordered_{aggregates}",
                         relay(
