@@ -515,6 +515,34 @@ def test_an_asyncpg_pool_is_named_with_what_to_pass_instead(dsn: str) -> None:
     asyncio.run(main())
 
 
+def test_a_psycopg_pool_or_an_unentered_connection_is_named_with_what_to_pass(dsn: str) -> None:
+    """They failed with "needs a psycopg.AsyncConnection ..., got AsyncConnectionPool
+    (for a sync psycopg.Connection use outbox_relay.enqueue)": a hint for another mistake."""
+    from psycopg_pool import AsyncConnectionPool
+
+    async def main() -> None:
+        pool = AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False)
+        await pool.open()
+        try:
+            with pytest.raises(
+                TypeError,
+                match=r"got AsyncConnectionPool: `async with pool\.connection\(\) as conn",
+            ):
+                await aio.enqueue(pool, **event(1))
+            with pytest.raises(TypeError, match=r"async context manager not entered"):
+                await aio.enqueue(pool.connection(), **event(1))
+            async with pool.connection() as conn:
+                with pytest.raises(TypeError, match=r"got AsyncCursor: .*cursor\.connection"):
+                    await aio.enqueue(conn.cursor(), **event(1))
+                # Nothing was written by any of them.
+                cur = await conn.execute("SELECT count(*) FROM outbox")
+                assert await cur.fetchone() == (0,)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_failed_async_transaction_says_so_as_the_sync_producer_does(
     dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -133,8 +133,23 @@ def _check(conn: Any) -> None:
     if not (isinstance(conn, psycopg.AsyncConnection) or is_asyncpg(conn)):
         raise TypeError(
             "outbox_relay.aio needs a psycopg.AsyncConnection or an asyncpg connection, "
-            f"got {type(conn).__name__} (for a sync psycopg.Connection use outbox_relay.enqueue)"
+            f"got {name}{_what_to_pass(conn)}"
         )
+
+
+def _what_to_pass(conn: Any) -> str:
+    """The hint for a wrong ``conn``: what to pass instead of what was passed."""
+    module = type(conn).__module__
+    if module.split(".")[0] == "psycopg_pool":
+        # AsyncConnectionPool (or a sync pool): it failed with the generic
+        # message, which did not say how to take a connection from it.
+        return ": `async with pool.connection() as conn, conn.transaction():` and pass conn"
+    if isinstance(conn, psycopg.AsyncCursor | psycopg.Cursor):
+        return ": pass the cursor's connection (cursor.connection)"
+    if hasattr(conn, "__aenter__") and hasattr(conn, "__aexit__"):
+        # pool.connection() or AsyncConnection.connect() not entered.
+        return ", an async context manager not entered: `async with ... as conn:` and pass conn"
+    return " (for a sync psycopg.Connection use outbox_relay.enqueue)"
 
 
 async def _in_savepoint(conn: AsyncConn, plan: Plan[T], table: OutboxTable) -> T:
