@@ -726,6 +726,18 @@ def test_countdown_eta_and_expires_become_the_row_s_times() -> None:
     assert options["expires"] == (now + timedelta(seconds=120)).isoformat()
     assert (message.event_type, message.aggregate_type) == (CANVAS_EVENT_TYPE, "celery")
     assert message.aggregate_id == result.id == options["task_id"]
+    # A canvas expired by the time it is due would be sent and discarded by
+    # every worker (its row done, nothing run): refused instead.
+    for timing in (
+        {"countdown": 10, "expires": 5},
+        {"countdown": 10, "expires": 10},
+        {"eta": now + timedelta(seconds=30), "expires": now + timedelta(seconds=20)},
+        {"expires": now - timedelta(seconds=1)},
+    ):
+        with pytest.raises(InvalidMessage, match=r"expires \(.*\) is not after the time"):
+            prepare_canvas(sig, timing, now=now)
+    with pytest.raises(InvalidMessage, match="is not after the time the canvas is due"):
+        prepare_canvas(user.step.s(tag="x").set(countdown=60, expires=30), {}, now=now)
     message, _ = prepare_canvas(sig.set(eta=now + timedelta(minutes=5)), {}, now=now)
     assert message.delay == timedelta(minutes=5) and "eta" not in message.payload["options"]
     assert "task_id" not in sig.options, "the caller's signature is not frozen"

@@ -263,6 +263,22 @@ def _expires(value: Any, now: datetime, app: Any) -> str:
     return _when("expires", value, app).isoformat()
 
 
+def _check_expires_after_due(work: Any, delay: timedelta | None, now: datetime) -> None:
+    """A canvas that expires by the time it is due is sent, and then every
+    worker discards it as revoked: its row ends ``done`` and nothing ever runs.
+    Celery takes such a call silently; through the outbox it is refused."""
+    expires = work.options.get("expires")
+    if expires is None:
+        return
+    due = now + (delay or timedelta(0))
+    if datetime.fromisoformat(expires) <= due:
+        raise InvalidMessage(
+            f"apply_async: expires ({expires}) is not after the time the canvas is due "
+            f"({due.isoformat()}): the relay would send it and every worker would discard "
+            "it as expired; give an expires later than the countdown or eta"
+        )
+
+
 def _exec_options(task: Any) -> dict[str, Any]:
     """What ``Task.apply_async`` adds from the task itself (its queue, priority...)."""
     get = getattr(task, "_get_exec_options", None)
@@ -395,6 +411,7 @@ def prepare_canvas(
     timing.update((k, options.pop(k)) for k in ("countdown", "eta", "expires") if k in options)
     delay = _delay(timing.get("countdown"), timing.get("eta"), now, app)
     _set_options(work, options, timing.get("expires"), now, app)
+    _check_expires_after_due(work, delay, now)
     # The whole canvas, this call's link and link_error options included.
     _check_registered(work, app)
     _check_json(work, app)
