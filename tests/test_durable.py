@@ -235,6 +235,22 @@ def test_apply_async_refuses_a_durable_task_where_it_would_run_untracked(conn) -
         conn.transaction(),
     ):
         outbox_relay.apply_async(conn, plain.s("x", "k"), link_error=effect.s("j"))
+    # A chain that does begin with its durable step but goes on with a group
+    # or a chord: the refusal says so, and where such a fan-out is written.
+    for sig, kind in [
+        (chain(effect.s("c"), group(plain.s("x"), plain.s("y"))), "group"),
+        (chain(effect.s("c"), chord([plain.s("x"), plain.s("y")], plain.s("z"))), "chord"),
+        (chain(effect.s("c"), group(plain.s("x"), plain.s("y")) | plain.s("z")), "chord"),
+    ]:
+        with (
+            pytest.raises(
+                InvalidMessage,
+                match=rf"begins with the DurableTask durable\.effect and goes on with a {kind}; "
+                r".*apply_async\(self\.outbox_conn",
+            ),
+            conn.transaction(),
+        ):
+            outbox_relay.apply_async(conn, sig)
     assert conn.execute("SELECT count(*) FROM outbox").fetchone() == (0,)
 
 

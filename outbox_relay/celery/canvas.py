@@ -204,6 +204,23 @@ def _check_not_durable(sig: Any, app: Any) -> None:
 
     A durable task alone, or a chain that begins with durable steps, is
     written by ``celery.durable`` instead (``apply_async`` sends it there)."""
+    from celery.canvas import Signature, _chain
+
+    if isinstance(sig, _chain) and sig.tasks:
+        first = _signature(sig.tasks[0], app)
+        if _is_task(first) and getattr(app.tasks.get(first.task), "__outbox_durable__", False):
+            # It begins with its durable step, as the refusal below asks, but
+            # goes on with a group, a chord or a nested chain.
+            steps = [_signature(t, app) for t in sig.tasks[1:]]
+            other = next(t for t in steps if type(t) is not Signature)
+            kind = type(other).__name__.lstrip("_")
+            raise InvalidMessage(
+                f"apply_async: the chain begins with the DurableTask {first.task} and goes on "
+                f"with a {kind}; a durable chain is a chain of single tasks. Write the {kind} "
+                "from the last durable step's body with outbox_relay.apply_async("
+                "self.outbox_conn, ...): it is then sent once that step's effect and done "
+                "commit, with them (docs/durable.md, Chains)"
+            )
     for node in walk(sig, app):
         if _is_task(node) and getattr(app.tasks.get(node.task), "__outbox_durable__", False):
             raise InvalidMessage(
