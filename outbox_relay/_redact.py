@@ -56,9 +56,15 @@ _UNPARSEABLE = "<DSN hidden: not parseable>"
 # key=value password may itself contain "://").
 _URL_FORM = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.\-]*://")
 _QUERY_START = re.compile(r"[?#]")
-# A password query parameter: its value runs to the next "&name=" (a raw "&"
-# inside the password does not end it) or to the end, a "#" included.
-_PASSWORD_PARAM = re.compile(r"(?<=[?&])(password=)((?:[^&]|&(?![A-Za-z_][A-Za-z0-9_]*=))*)")
+# libpq's parameters that hold a secret: the password, and sslpassword (the
+# passphrase of the client certificate's key, sslkey).
+_SECRET_PARAMS = ("password", "sslpassword")
+# A password (or sslpassword) query parameter: its value runs to the next
+# "&name=" (a raw "&" inside the password does not end it) or to the end, a
+# "#" included.
+_PASSWORD_PARAM = re.compile(
+    r"(?<=[?&])((?:ssl)?password=)((?:[^&]|&(?![A-Za-z_][A-Za-z0-9_]*=))*)"
+)
 # A mistyped URL ("amqp//user:pw@host"): keep a leading "scheme:" or
 # "scheme//", or the user of "user:pw@host"; what follows up to the last "@"
 # may be a password.
@@ -116,7 +122,8 @@ def mask_dsn(dsn: str) -> str:
     """``dsn`` with its password replaced by ``****``, in URL or ``key=value`` form.
 
     The password may sit in the URL's user info or in a ``password=``
-    parameter (of the query, or of a key=value string). Everything else is
+    parameter (of the query, or of a key=value string); an ``sslpassword=``
+    (the passphrase of the client key) is masked the same way. Everything else is
     kept as written. A key=value DSN that cannot be parsed is hidden whole.
     """
     form = _URL_FORM.match(dsn)
@@ -134,9 +141,10 @@ def mask_dsn(dsn: str) -> str:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         return _UNPARSEABLE
-    if not params.get("password"):
+    secret = [name for name in _SECRET_PARAMS if params.get(name)]
+    if not secret:
         return dsn
-    params["password"] = MASK
+    params.update(dict.fromkeys(secret, MASK))
     return make_conninfo("", **params)
 
 
@@ -192,8 +200,9 @@ def mask_spec(spec: str) -> str:
     return f"{found[0]}{MASK}{found[2]}"
 
 
-def _url_passwords(dsn: str) -> set[str]:
-    """The passwords of a URL as written: user info (widest reading) and query."""
+def _url_passwords(dsn: str, *, ssl: bool = False) -> set[str]:
+    """The passwords of a URL as written: user info (widest reading) and
+    query; with ``ssl``, its ``sslpassword`` too."""
     form = _URL_FORM.match(dsn)
     if not form:
         return set()
@@ -202,7 +211,9 @@ def _url_passwords(dsn: str) -> set[str]:
     credentials = _credentials(rest)
     if credentials:
         found.add(credentials[1])
-    found.update(m.group(2) for m in _PASSWORD_PARAM.finditer(rest))
+    found.update(
+        m.group(2) for m in _PASSWORD_PARAM.finditer(rest) if ssl or m.group(1) == "password="
+    )
     return found
 
 
@@ -220,8 +231,11 @@ def _passwords(dsn: str) -> set[str]:
     than three characters are left to be found whole.
     """
     found = _url_passwords(dsn)
+    ssl_password: Any = None
     try:
         libpq = _libpq_password(dsn)
+        # The client key's passphrase (sslpassword), as libpq reads it.
+        ssl_password = conninfo_to_dict(dsn).get("sslpassword")
     except (psycopg.ProgrammingError, ValueError):
         libpq = None
         if not _URL_FORM.match(dsn):
@@ -234,6 +248,9 @@ def _passwords(dsn: str) -> set[str]:
                 found.add(credentials[1])
     if libpq is not None and (not found or len(libpq) >= _MIN_FRAGMENT):
         found.add(libpq)
+    found |= _url_passwords(dsn, ssl=True)
+    if ssl_password:
+        found.add(str(ssl_password))
     # A driver may quote the password as given or percent-decoded.
     found |= {urllib.parse.unquote(p) for p in found}
     found |= {urllib.parse.unquote_plus(p) for p in found}

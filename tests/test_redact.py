@@ -54,6 +54,32 @@ def test_mask_dsn_in_key_value_form() -> None:
     assert mask_dsn("host='unterminated") == "<DSN hidden: not parseable>"
 
 
+def test_mask_dsn_hides_the_client_keys_sslpassword() -> None:
+    """libpq's sslpassword is the passphrase of the client key (sslkey): as
+    secret as the password, and it was printed whole by the CLI, the
+    worker's log and celery report."""
+    url = "postgresql://app@db:5432/x?sslmode=verify-full&sslpassword=KeyPass99&sslkey=/k.pem"
+    assert (
+        mask_dsn(url)
+        == "postgresql://app@db:5432/x?sslmode=verify-full&sslpassword=****&sslkey=/k.pem"
+    )
+    assert mask_dsn("postgresql://app:pw@db/x?sslpassword=KeyPass99") == (
+        "postgresql://app:****@db/x?sslpassword=****"
+    )
+    masked = mask_dsn("host=db sslkey=/k.pem sslpassword='Key Pass99' dbname=x")
+    assert "Pass99" not in masked
+    assert conninfo_to_dict(masked) == {
+        "host": "db",
+        "sslkey": "/k.pem",
+        "sslpassword": MASK,
+        "dbname": "x",
+    }
+    # A driver's message that quotes it is scrubbed; the password's own
+    # reading is unchanged by it.
+    assert scrub("bad passphrase KeyPass99", url) == f"bad passphrase {MASK}"
+    assert password_is_unambiguous(url)
+
+
 def test_an_address_without_a_password_is_kept_intact() -> None:
     # urlunsplit() would drop the "//" of an empty host and break the address.
     for url in ("redis+socket:///tmp/demo/redis.sock", "redis://127.0.0.1:6379/0", "memory://"):
