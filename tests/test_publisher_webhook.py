@@ -15,6 +15,7 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.parse
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -599,6 +600,54 @@ def test_a_response_that_echoes_the_request_puts_no_credential_in_last_error(
     for secret in ("BasicPw4567", basic, "QueryTok987", "KeySecret123", "BearTok456"):
         assert secret not in text, text
     publisher.close()
+
+
+def test_no_credential_leaks_from_a_body_cut_short_or_quoted_percent_encoded(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a security walkthrough: the body is read up to 4096 bytes
+    and masked before the 300-character excerpt, but a credential that
+    straddled byte 4096 kept its head (the excerpt collapses whitespace, so
+    a blank stretch brought it in: "pass: BasicPw45"); one quoted
+    percent-encoded (a receiver echoing a URL or form field) was kept whole;
+    and a proxy's Proxy-Authorization, echoed by the proxy, too."""
+    import base64
+
+    host = server.url.removeprefix("http://")
+    url = f"http://alice:BasicPw4567@{host}/hook?token=Query+Tok/987"
+    publisher = WebhookPublisher(url, headers={"X-Api-Key": "Key Secret:123"}, **FAST)
+    head = b"error page: pass: "
+    pad = b" " * (4096 - len(head) - len(b"BasicPw45"))
+    server.script("cut", Action(400, body=head + pad + b"BasicPw4567 and more"))
+    with pytest.raises(PermanentError) as failed:
+        publisher(_message(12, "cut", {}))
+    text = str(failed.value)
+    assert text.endswith("HTTP 400: error page: pass: ****"), text
+    assert "BasicPw" not in text
+
+    basic = base64.b64encode(b"alice:BasicPw4567").decode()
+    quoted = " ".join(
+        urllib.parse.quote(v, safe="")
+        for v in (f"Basic {basic}", "Query+Tok/987", "Key Secret:123", "BasicPw4567")
+    )
+    server.script("quoted", Action(400, body=f"got {quoted} Key+Secret%3A123".encode()))
+    with pytest.raises(PermanentError) as failed:
+        publisher(_message(13, "quoted", {}))
+    text = str(failed.value)
+    assert text.endswith("HTTP 400: got **** **** **** **** ****"), text
+    # The path as sent: the token as written in the URL, "+" and all.
+    server.script("path", Action(400, echo=True))
+    with pytest.raises(PermanentError) as failed:
+        publisher(_message(14, "path", {}))
+    assert "HTTP 400: bad request /hook?token=**** " in str(failed.value), failed.value
+    publisher.close()
+
+    monkeypatch.setenv("HTTP_PROXY", "http://proxyuser:ProxyPw000@127.0.0.1:9")
+    behind_proxy = WebhookPublisher(url, **FAST, trust_env=True)
+    proxy_basic = base64.b64encode(b"proxyuser:ProxyPw000").decode()
+    assert {"ProxyPw000", proxy_basic} <= set(behind_proxy._secrets)
+    assert behind_proxy._without_secrets(f"Basic {proxy_basic}".encode()) == b"Basic ****"
+    behind_proxy.close()
 
 
 def test_headers_that_frame_the_request_or_belong_to_the_relay_are_refused() -> None:

@@ -26,6 +26,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from importlib import metadata
@@ -306,6 +307,13 @@ class WebhookPublisher:
             pair = f"{target.username}:{target.password}".encode()
             secrets |= _credentials([f"Basic {base64.b64encode(pair).decode()}"], None, None)
             target = target.copy_with(username=None, password=None)
+        if trust_env:
+            # httpx sends a proxy's credentials (HTTP_PROXY=http://u:pw@proxy)
+            # as Proxy-Authorization, which a proxy's error page may echo.
+            secrets |= _proxy_credentials()
+        # A receiver may quote what it was sent percent-encoded (a URL of the
+        # request, a form field): those spellings are masked too.
+        secrets |= {quoted for value in secrets for quoted in _encoded(value)}
         self._target = target
         # Never quoted back into last_error from a response that echoes the
         # request (a receiver's 400 may repeat its headers): longest first.
@@ -531,14 +539,30 @@ class WebhookPublisher:
     def _scrub(self, text: str) -> str:
         return scrub(_REDACT.redact(text), self.url)
 
-    def _without_secrets(self, raw: bytes) -> bytes:
+    def _without_secrets(self, raw: bytes, *, cut: bool = False) -> bytes:
         """A response body with this publisher's own credentials masked, before
-        any of it is quoted (a body cut short could keep part of one)."""
+        any of it is quoted (a body cut short could keep part of one).
+
+        ``cut``: the body was read only up to a limit, which may fall inside
+        a credential: a tail that begins one is masked as well (the excerpt
+        collapses whitespace, so a long blank stretch can bring that tail
+        into the quoted part)."""
         if not self._secrets:
             return raw
         text = raw.decode("utf-8", errors="replace")
         for secret in self._secrets:
             text = text.replace(secret, MASK)
+        if cut:
+            # A multi-byte character cut in two decodes as U+FFFD.
+            text = text.rstrip("\ufffd")
+            heads = [
+                n
+                for secret in self._secrets
+                for n in range(1, len(secret))
+                if text.endswith(secret[:n])
+            ]
+            if heads:
+                text = text[: -max(heads)] + MASK
         return text.encode("utf-8")
 
     def _read(self, response: httpx.Response, limit: int, deadline: float) -> bytes:
@@ -566,7 +590,7 @@ class WebhookPublisher:
     def _raise_for(
         self, status: int, raw: bytes, retry_after: str | None, location: str | None
     ) -> None:
-        quoted = excerpt(self._without_secrets(raw))
+        quoted = excerpt(self._without_secrets(raw, cut=len(raw) >= _EXCERPT_BYTES))
         detail = f"webhook {self._where}: HTTP {status}" + (f": {quoted}" if quoted else "")
         if status in _RETRYABLE_4XX or 500 <= status < 600:
             delay = parse_retry_after(retry_after, cap=self.max_retry_after)
@@ -601,6 +625,28 @@ def _check_static_headers(headers: Mapping[str, str]) -> None:
 _SHORTEST_SECRET = 4
 
 
+def _encoded(value: str) -> set[str]:
+    """``value`` percent-encoded, as a receiver may quote it, where that differs."""
+    forms = {urllib.parse.quote(value, safe=""), urllib.parse.quote_plus(value, safe="")}
+    return forms - {value}
+
+
+def _proxy_credentials() -> set[str]:
+    """The credentials of the proxies the environment names (``HTTPS_PROXY``
+    ...), as the URL holds them and as the Proxy-Authorization header sends
+    them."""
+    found: list[str] = []
+    for proxy in urllib.request.getproxies().values():
+        try:
+            url = httpx.URL(proxy if "://" in proxy else f"http://{proxy}")
+        except (httpx.InvalidURL, TypeError, ValueError):
+            continue
+        if url.password:
+            pair = f"{url.username}:{url.password}".encode()
+            found += [url.password, base64.b64encode(pair).decode()]
+    return {v for v in found if len(v) >= _SHORTEST_SECRET}
+
+
 def _credentials(
     values: Iterable[str], secret: str | bytes | None, url: urllib.parse.SplitResult | None
 ) -> set[str]:
@@ -619,4 +665,7 @@ def _credentials(
         if url.password:
             found.add(urllib.parse.unquote(url.password))
         found |= {v for _, v in urllib.parse.parse_qsl(url.query)}
+        # As written too: a receiver echoing the request's path quotes a
+        # token such as "?sig=ab%2Bc%3D" or "?t=a+b" undecoded.
+        found |= {p.partition("=")[2] for p in url.query.split("&")}
     return {v for v in found if len(v) >= _SHORTEST_SECRET}
