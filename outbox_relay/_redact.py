@@ -42,6 +42,7 @@ __all__ = [
     "MASK",
     "Secret",
     "connect_error",
+    "invalid_url",
     "mask_dsn",
     "mask_spec",
     "password_is_unambiguous",
@@ -348,6 +349,48 @@ def connect_error(exc: BaseException, dsn: str) -> str:
         "where it is written, so the message could quote part of it; percent-encode "
         "@ : / ? # & in a URL's password, e.g. @ as %40, or quote it in key=value form)"
     )
+
+
+def invalid_url(exc: BaseException, url: str) -> str:
+    """What to say about a URL the parser refused (``ValueError``, httpx's
+    ``InvalidURL``): the URL masked, and the parser's message unless a word
+    of it could be a piece of the password.
+
+    A raw ``/``, ``?`` or ``#`` in a URL's password ends the address where
+    urllib and httpx read it: ``amqp://relay:Zx9k/Qw7@rabbit//`` has, to
+    them, the host ``relay`` and the port ``Zx9k``, and their message
+    ("Port could not be cast to integer value as 'Zx9k'") quotes the
+    password's head.
+    """
+    name = type(exc).__name__
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    where = mask_spec(url)
+    if first and not _quotes_a_piece(first, _conceivable_passwords(url)):
+        return f"{where!r} is not a valid URL: {name}: {first}"
+    return (
+        f"{where!r} is not a valid URL ({name}; the parser's message is withheld, as it may "
+        "quote part of the password): percent-encode @ : / ? # & % in its password, "
+        "e.g. / as %2F"
+    )
+
+
+# What a parser's message quotes: 'x' or "x".
+_QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
+
+
+def _quotes_a_piece(text: str, secrets: set[str]) -> bool:
+    """True when ``text`` holds a secret, quotes (between quotes, however
+    short) a piece of one, or has a word of 3 characters or more that is one:
+    parsers quote what they could not read ("Invalid port: 'pa'")."""
+    if any(secret in text for secret in secrets):
+        return True
+    pairs = _QUOTED.findall(text)
+    quoted = [part for pair in pairs for part in pair if part]
+    if any(q in secret for q in quoted for secret in secrets):
+        return True
+    words = [w for w in _TOKEN.findall(text) if len(w) >= _MIN_FRAGMENT]
+    return any(word in secret for word in words for secret in secrets)
 
 
 def _parses(dsn: str) -> bool:

@@ -444,6 +444,13 @@ def test_libpq_never_quotes_a_piece_of_the_password_into_the_log(dsn: str, tmp_p
         f"htps://relay:{BROKER_PASSWORD}@rabbit//",
         {"order.*": f"amqps//relay:{BROKER_PASSWORD}@rabbit//"},
         {"url": f"ftp://relay:{BROKER_PASSWORD}@host/x"},
+        # A raw "/" in the password: urllib, kombu and httpx read its head as
+        # the port, and their ValueError quoted it ("Port could not be cast
+        # to integer value as 'Br0k'"), from a worker dying with a traceback
+        # and a beat that logged it and ran on.
+        f"amqp://relay:{BROKER_PASSWORD[:4]}/{BROKER_PASSWORD[4:]}@rabbit//",
+        f"https://relay:{BROKER_PASSWORD[:4]}/{BROKER_PASSWORD[4:]}@hooks.example/x",
+        f"redis://relay:{BROKER_PASSWORD}@[rabbit/0",
     ],
 )
 def test_a_bad_publisher_setting_is_reported_masked(spec: Any, dsn: str) -> None:
@@ -453,6 +460,7 @@ def test_a_bad_publisher_setting_is_reported_masked(spec: Any, dsn: str) -> None
         inst.validate()
     assert "OUTBOX_PUBLISHER" in str(caught.value)
     assert_hidden(str(caught.value), "the error")
+    assert BROKER_PASSWORD[:4] not in str(caught.value)
     # The same setting resolved by hand (resolve_publisher, the public API).
     with pytest.raises(ConfigError) as caught:
         resolve_publisher(spec)

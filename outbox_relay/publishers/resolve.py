@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
+
+from .._redact import invalid_url
 from ..errors import ConfigError
 from .broker import BROKER_SCHEMES, BrokerPublisher
 from .celery_task import CeleryTaskPublisher, is_celery_target
@@ -35,6 +38,11 @@ def _from_target(
         raise ConfigError(f"{setting}: {exc}") from None
     except TypeError as exc:  # an unknown or misspelled option in a route mapping
         raise ConfigError(f"{setting}: {exc}") from None
+    except (ValueError, httpx.InvalidURL) as exc:
+        # A URL urllib, kombu or httpx cannot read (a port that is not a
+        # number, an unclosed "["): a bad setting, named, and never quoting
+        # what may be the password ("Port could not be cast ... 'Zx9k'").
+        raise ConfigError(f"{setting}: {invalid_url(exc, target)}") from None
     raise ConfigError(
         f"{setting}: unsupported publisher URL scheme {scheme + '://' if scheme else target!r}; "
         "use http(s)://, amqp(s)://, redis(s)://, celery:task.name or package.module:callable"
