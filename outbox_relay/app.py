@@ -18,7 +18,6 @@ __all__ = ["app"]
 
 app = Celery(names.STANDALONE_APP)
 app.conf.update(
-    broker_url=os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0"),
     # JSON only: task arguments are ids and versions, never pickled objects.
     task_serializer="json",
     accept_content=["json"],
@@ -29,6 +28,13 @@ app.conf.update(
     worker_hijack_root_logger=True,
 )
 app.config_from_object(os.environ.get("CELERY_CONFIG_MODULE", "celeryconfig"), silent=True)
+# The broker: CELERY_BROKER_URL (Celery reads it before any setting), else a
+# celeryconfig's broker_url, else a local Redis. Set only when neither gave
+# one: a value set with conf.update() above would win over the celeryconfig,
+# whose broker_url was then ignored without a word (the worker went to
+# redis://127.0.0.1:6379/0, perhaps another relay's broker).
+if not app.conf.broker_url:
+    app.conf.broker_url = "redis://127.0.0.1:6379/0"
 
 # A broker that vanishes or fails over leaves half-open sockets: without a
 # bound on every socket operation, a worker (or the claim task's fan-out)

@@ -424,6 +424,42 @@ def _standalone_app_shows(
     return lines[-1]
 
 
+def test_the_standalone_app_takes_its_broker_from_a_celeryconfig(tmp_path: Path) -> None:
+    """A celeryconfig's broker_url was ignored without a word: the app set
+    its own with conf.update(), which wins over a config module, and the
+    worker went to redis://127.0.0.1:6379/0 (found by a walkthrough whose
+    worker and Flower joined a Redis database it never named).
+    CELERY_BROKER_URL still wins, and JSON stays the only content."""
+    (tmp_path / "userconfig.py").write_text(
+        "broker_url = 'amqp://relay:pw@rabbit.example:5672/relay'\n"
+        "accept_content = ['pickle', 'json']\n"
+    )
+    expression = "(app.conf.broker_url, app.conf.accept_content)"
+
+    def shown(**env: str) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "CELERY_BROKER_URL"}
+        done = subprocess.run(
+            [sys.executable, "-c", f"from outbox_relay.app import app; print({expression})"],
+            env={
+                **environ,
+                "OUTBOX_DSN": "postgresql://relay@127.0.0.1:1/outbox",
+                "CELERY_CONFIG_MODULE": "userconfig",
+                "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parent.parent}",
+                **env,
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip().splitlines()[-1]
+
+    assert shown() == "('amqp://relay:pw@rabbit.example:5672/relay', ['json'])"
+    assert shown(CELERY_BROKER_URL="redis://127.0.0.1:1/3") == "('redis://127.0.0.1:1/3', ['json'])"
+    (tmp_path / "userconfig.py").write_text("")
+    assert shown() == "('redis://127.0.0.1:6379/0', ['json'])"
+
+
 def test_purge_keeps_up_past_one_runs_bound(recorded_dsn, redis_broker, procs_factory):
     """One purge task stops at 100 batches (500,000 rows by default) and the
     rest waited for the next hour: a relay finishing more than that saw its
