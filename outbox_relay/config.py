@@ -354,6 +354,8 @@ class NameSource:
 
     where: str  # "keyword", "Celery setting"; "" for the environment
     form: Callable[[str], str]  # chunk_size -> how it is spelled there
+    # Why a name that is a setting's is not read as written (its case).
+    hint: str | None = None
 
     def __call__(self, name: str) -> str:
         return f"{self.where} {self.form(name)}".strip()
@@ -368,7 +370,7 @@ def _unknown_message(unknown: Mapping[str, NameSource], known: set[str]) -> str:
     parts = []
     for name in sorted(unknown):
         source = unknown[name]
-        hint = _HINTS.get(name)
+        hint = source.hint or _HINTS.get(name)
         if hint is None and name.startswith("broker_"):
             hint = f"the kombu publisher's options are {source.form('kombu_' + name[7:])} and so on"
         if hint is None:
@@ -413,8 +415,20 @@ def _found_names(
     # Each name under the first source that has it (keyword, Celery, environment).
     found: dict[str, NameSource] = {}
     for key in environ:
-        if key.startswith("OUTBOX_") and not key.startswith(_TOOLING_PREFIXES):
-            found[key[len("OUTBOX_") :].lower()] = ENVIRONMENT
+        upper = key.upper()
+        if not upper.startswith("OUTBOX_") or upper.startswith(_TOOLING_PREFIXES):
+            continue
+        name = upper[len("OUTBOX_") :].lower()
+        if key.startswith("OUTBOX_") and (key == upper or _is_publisher_option(name)):
+            # (A publisher option is read whatever the case after OUTBOX_.)
+            found.setdefault(name, ENVIRONMENT)
+        else:
+            # OUTBOX_lease_seconds or Outbox_DSN: environment names are
+            # case-sensitive and only OUTBOX_LEASE_SECONDS is read; this one
+            # was neither read nor refused.
+            found[name] = NameSource(
+                "", _as_written(key), hint=f"not read: the relay reads {upper}, in upper case"
+            )
     # An app configured with a namespace (Django's CELERY_): Celery reads
     # CELERY_OUTBOX_LEASE_SECONDS as outbox_lease_seconds, and lists it so.
     prefix = getattr(conf, "prefix", None)
@@ -430,6 +444,11 @@ def _found_names(
                 found.setdefault(name, _namespaced(namespaced))
     found.update(dict.fromkeys(overrides, KEYWORD))
     return found
+
+
+def _as_written(written: str) -> Callable[[str], str]:
+    """A name's form that is ``written`` itself, whatever the setting."""
+    return lambda _name: written
 
 
 def _namespaced(written: str) -> NameSource:
@@ -470,7 +489,11 @@ def _unknown_names(found: Mapping[str, NameSource], known: set[str]) -> dict[str
             return stem in known or stem in _PUBLISHER_OPTION_NAMES
         return name in known or name in _OTHER_NAMES or name in _PUBLISHER_OPTION_NAMES
 
-    return {name: source for name, source in found.items() if not is_known(name)}
+    return {
+        name: source
+        for name, source in found.items()
+        if not is_known(name) or source.hint is not None
+    }
 
 
 def refuse_unknown_environment(environ: Mapping[str, str] | None = None) -> None:

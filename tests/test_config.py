@@ -28,6 +28,36 @@ def test_a_misspelled_setting_is_refused_with_the_closest_name() -> None:
         Settings.load({}, environ={"OUTBOX_DNS_FILE": "/run/secrets/dsn"})
 
 
+def test_an_environment_name_in_the_wrong_case_is_refused_not_ignored() -> None:
+    """OUTBOX_lease_seconds was neither read (environment names are
+    case-sensitive: the relay reads OUTBOX_LEASE_SECONDS) nor refused, as
+    it counted as the known name; Outbox_DSN was not even looked at."""
+    from outbox_relay.config import refuse_unknown_environment
+
+    for written, meant in (
+        ("OUTBOX_lease_seconds", "OUTBOX_LEASE_SECONDS"),
+        ("Outbox_Publisher", "OUTBOX_PUBLISHER"),
+        ("outbox_dsn_file", "OUTBOX_DSN_FILE"),
+    ):
+        pattern = rf"{written} \(not read: the relay reads {meant}, in upper case\)"
+        with pytest.raises(ConfigError, match=pattern):
+            Settings.load({}, environ={written: "abc"})
+        # The operations CLI and producers refuse it too (with OUTBOX_table a
+        # producer's rows would go to the default table).
+        with pytest.raises(ConfigError, match=pattern):
+            refuse_unknown_environment({written: "abc"})
+    with pytest.raises(ConfigError, match=r"OUTBOX_table \(not read"):
+        ProducerSettings.load({}, environ={"OUTBOX_table": "shop.outbox"})
+    # Beside the right name too: which one was meant is not for us to guess.
+    with pytest.raises(ConfigError, match=r"OUTBOX_lease_seconds \(not read"):
+        Settings.load({}, environ={"OUTBOX_LEASE_SECONDS": "30", "OUTBOX_lease_seconds": "5"})
+    # Still read as before: a publisher option after OUTBOX_ in any case,
+    # and the tooling's own variables are still left alone.
+    Settings.load(
+        {}, environ={"OUTBOX_webhook_envelope": "true", "outbox_test_dsn": "x", "OUTBOX_TEST_X": ""}
+    )
+
+
 def test_install_refuses_a_misspelled_keyword_when_it_is_called() -> None:
     # Not only when a worker or beat starts: a web process that installs the
     # relay to send tasks through it would never see that.
