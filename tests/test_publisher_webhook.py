@@ -650,6 +650,27 @@ def test_no_credential_leaks_from_a_body_cut_short_or_quoted_percent_encoded(
     behind_proxy.close()
 
 
+def test_a_header_value_with_surrounding_whitespace_is_refused_without_quoting_it(
+    server: Server,
+) -> None:
+    """OUTBOX_WEBHOOK_HEADERS='{"Authorization": "Bearer tok "}' (a space
+    copied with the token) was accepted; h11 then refused every request with
+    "Illegal header value b'Bearer tok '", which reached last_error (dead
+    list, the worker's ERROR line) and httpcore's DEBUG log whole."""
+    for value in ("Bearer HdrTok5551 ", " HdrTok5551"):
+        with pytest.raises(ConfigError) as refused:
+            WebhookPublisher(server.url + "/hook", headers={"Authorization": value})
+        assert "webhook_headers Authorization: the value begins or ends with whitespace" in str(
+            refused.value
+        )
+        assert "HdrTok5551" not in str(refused.value)
+    # Whatever else an HTTP library's message quotes of a configured
+    # credential is masked in last_error.
+    publisher = WebhookPublisher(server.url + "/hook", headers={"X-Api-Key": "HdrTok5551"})
+    assert publisher._scrub("Illegal header value b'HdrTok5551'") == "Illegal header value b'****'"
+    publisher.close()
+
+
 def test_headers_that_frame_the_request_or_belong_to_the_relay_are_refused() -> None:
     for name in ("Transfer-Encoding", "Host", "Content-Length", "Connection"):
         with pytest.raises(ConfigError, match=f"may not set {name}: those frame the request"):

@@ -287,6 +287,14 @@ class WebhookPublisher:
         if bad:
             raise ConfigError(f"invalid webhook header name(s): {', '.join(sorted(bad))}")
         _check_static_headers(self._static_headers)
+        padded = sorted(k for k, v in self._static_headers.items() if v != v.strip())
+        if padded:
+            # HTTP forbids it, and the HTTP client's refusal quoted the value
+            # (a credential) into last_error and its DEBUG log, for every message.
+            raise ConfigError(
+                f"webhook_headers {', '.join(padded)}: the value begins or ends with "
+                "whitespace, which HTTP does not allow (a space copied with a token?)"
+            )
         self.forward_headers = _forward_set(forward_headers)
         if isinstance(verify, str):
             verify = ssl.create_default_context(cafile=verify)
@@ -537,7 +545,11 @@ class WebhookPublisher:
         return f"{type(exc).__name__}: {self._scrub(str(exc))}"
 
     def _scrub(self, text: str) -> str:
-        return scrub(_REDACT.redact(text), self.url)
+        text = scrub(_REDACT.redact(text), self.url)
+        # An HTTP library's message may quote a header it refused.
+        for secret in self._secrets:
+            text = text.replace(secret, MASK)
+        return text
 
     def _without_secrets(self, raw: bytes, *, cut: bool = False) -> bytes:
         """A response body with this publisher's own credentials masked, before
