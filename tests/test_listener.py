@@ -141,3 +141,29 @@ def test_a_database_outage_is_one_warning_a_minute_from_claims_and_rescues(
     finally:
         procs.stop_all()
         proxy.close()
+
+
+def test_a_listen_connection_that_fails_says_why_without_its_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker with a wrong OUTBOX_LISTEN_DSN logged only "LISTEN connection
+    failed; reconnecting", every 30 s for good, with no reason and no
+    address (a walkthrough). Now the address, masked, and libpq's reason,
+    scrubbed, as the start-up check gives them."""
+    port = free_port()
+    dsn = f"postgresql://relay:L1stenPw77@127.0.0.1:{port}/outbox?connect_timeout=2"
+    listener = NotifyListener(dsn, OutboxTable(), lambda: None, debounce=0.0)
+    caplog.set_level(logging.WARNING, logger="outbox_relay.celery")
+    listener.start()
+    try:
+        kit.wait_until(
+            lambda: any("LISTEN connection" in r.getMessage() for r in caplog.records),
+            timeout=10,
+            what="the listener's warning",
+        )
+    finally:
+        listener.stop()
+    line = next(r.getMessage() for r in caplog.records if "LISTEN connection" in r.getMessage())
+    assert f"LISTEN connection to postgresql://relay:****@127.0.0.1:{port}/outbox" in line, line
+    assert "Connection refused" in line, line
+    assert "L1stenPw77" not in line

@@ -21,6 +21,7 @@ import psycopg
 from celery import bootsteps
 
 from .. import store
+from .._redact import connect_error, mask_dsn
 from .._throttle import Throttle
 from ..config import Settings
 from ..db import bounded_connection_kwargs
@@ -104,10 +105,18 @@ class NotifyListener:
                     # Rows may have arrived while we were not listening.
                     self._fire("LISTEN began (rows may have come before it)")
                     self._listen(conn)
-            except Exception:
+            except Exception as exc:
                 if self._stop.is_set():
                     return
-                log.warning("LISTEN connection failed; reconnecting in %.1fs", backoff)
+                # Why, and to where (a wrong OUTBOX_LISTEN_DSN said nothing
+                # more than this line, every 30 s for good): as the start-up
+                # check says it, password masked and libpq's message scrubbed.
+                log.warning(
+                    "LISTEN connection to %s failed (%s); reconnecting in %.1fs",
+                    mask_dsn(self.dsn),
+                    connect_error(exc, self.dsn),
+                    backoff,
+                )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
 
