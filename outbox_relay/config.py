@@ -489,11 +489,15 @@ def _unknown_names(found: Mapping[str, NameSource], known: set[str]) -> dict[str
             return stem in known or stem in _PUBLISHER_OPTION_NAMES
         return name in known or name in _OTHER_NAMES or name in _PUBLISHER_OPTION_NAMES
 
-    return {
-        name: source
-        for name, source in found.items()
-        if not is_known(name) or source.hint is not None
-    }
+    def refused(name: str, source: NameSource) -> bool:
+        if source.hint is not None:
+            # Another case than the relay reads (OUTBOX_lease_seconds): a
+            # setting's name, or one under the relay's own OUTBOX_ prefix.
+            # Any other (another tool's outbox_dir) is not ours to refuse.
+            return is_known(name) or source(name).startswith("OUTBOX_")
+        return not is_known(name)
+
+    return {name: source for name, source in found.items() if refused(name, source)}
 
 
 def refuse_unknown_environment(environ: Mapping[str, str] | None = None) -> None:

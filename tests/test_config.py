@@ -51,6 +51,8 @@ def test_an_environment_name_in_the_wrong_case_is_refused_not_ignored() -> None:
     # Beside the right name too: which one was meant is not for us to guess.
     with pytest.raises(ConfigError, match=r"OUTBOX_lease_seconds \(not read"):
         Settings.load({}, environ={"OUTBOX_LEASE_SECONDS": "30", "OUTBOX_lease_seconds": "5"})
+    # Another tool's variable in another case is not ours to refuse.
+    Settings.load({}, environ={"outbox_dir": "/tmp/x", "Outbox_Theme": "dark"})
     # Still read as before: a publisher option after OUTBOX_ in any case,
     # and the tooling's own variables are still left alone.
     Settings.load(
