@@ -365,6 +365,27 @@ def test_rescue_kills_only_expired_leases_with_no_attempts_left(
     assert (again.id, again.attempts) == (fresh, 2)
 
 
+def test_rescue_says_whether_the_delivery_of_an_expired_lease_ever_began(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """An unregistered durable task (or one the broker lost) never begins: no
+    attempt is counted, its row goes round lease after lease and never dead.
+    Its last_error said "before delivery finished", as for a worker that
+    died mid-publish; it says the task never began instead."""
+    lost, begun = seed(conn, 2)
+    t0 = db_now(conn)
+    leased = store.claim_batch(
+        conn, owner="w", batch=2, lease=LEASE, count_attempt=False, rescue_first=False, now=t0
+    ).claimed
+    store.begin(conn, [m.ref for m in leased if m.id == begun], needed=SECOND, now=t0)
+    store.rescue(conn, max_attempts=3, now=t0 + LEASE + SECOND)
+    assert row(conn, lost)["last_error"].startswith(
+        "lease expired before its delivery task began: lost or expired in the broker"
+    )
+    assert row(conn, begun)["last_error"] == "lease expired before delivery finished"
+    assert row(conn, lost)["attempts"] == 0 and row(conn, begun)["attempts"] == 1
+
+
 # ---------------------------------------------------------------- failure classes
 def test_retryable_failures_back_off_with_full_jitter_then_go_dead(
     conn: psycopg.Connection[Any],

@@ -212,6 +212,14 @@ UPDATE {table} AS o
        last_error   = CASE WHEN o.attempts >= expired.max_attempts
                            THEN 'lease expired on the last attempt (' || o.attempts || ' of '
                                 || expired.max_attempts || '); the worker crashed or hung'
+                           -- A first lease whose delivery never began: its task
+                           -- never ran (lost or expired in the broker, or no
+                           -- worker registers it: nothing counts an attempt,
+                           -- so say which it was not).
+                           WHEN o.began_version IS DISTINCT FROM o.lease_version
+                           THEN coalesce(o.last_error, 'lease expired before its delivery task '
+                                || 'began: lost or expired in the broker, or no worker that '
+                                || 'consumes its queue registers it')
                            ELSE coalesce(o.last_error, 'lease expired before delivery finished')
                       END,
        lease_owner  = NULL,
