@@ -398,17 +398,19 @@ def _standalone_app_shows(
     config: str,
     expression: str,
     *,
-    broker: str = "redis://127.0.0.1:1/0",
+    broker: str | None = "redis://127.0.0.1:1/0",
     dsn: str = "postgresql://relay@127.0.0.1:1/outbox",
 ) -> str:
     """What ``expression`` prints in a fresh process that imports
-    ``outbox_relay.app`` with ``config`` as its celeryconfig module."""
+    ``outbox_relay.app`` with ``config`` as its celeryconfig module
+    (``broker`` None: no CELERY_BROKER_URL in its environment)."""
     (tmp_path / "userconfig.py").write_text(config)
+    environ = {k: v for k, v in os.environ.items() if k != "CELERY_BROKER_URL"}
     shown = subprocess.run(
         [sys.executable, "-c", f"from outbox_relay.app import app; print({expression})"],
         env={
-            **os.environ,
-            "CELERY_BROKER_URL": broker,
+            **environ,
+            **({"CELERY_BROKER_URL": broker} if broker is not None else {}),
             "OUTBOX_DSN": dsn,
             "OUTBOX_PUBLISHER": "tests.apps.recording:publish",
             "CELERY_CONFIG_MODULE": "userconfig",
@@ -430,34 +432,17 @@ def test_the_standalone_app_takes_its_broker_from_a_celeryconfig(tmp_path: Path)
     worker went to redis://127.0.0.1:6379/0 (found by a walkthrough whose
     worker and Flower joined a Redis database it never named).
     CELERY_BROKER_URL still wins, and JSON stays the only content."""
-    (tmp_path / "userconfig.py").write_text(
+    config = (
         "broker_url = 'amqp://relay:pw@rabbit.example:5672/relay'\n"
         "accept_content = ['pickle', 'json']\n"
     )
     expression = "(app.conf.broker_url, app.conf.accept_content)"
-
-    def shown(**env: str) -> str:
-        environ = {k: v for k, v in os.environ.items() if k != "CELERY_BROKER_URL"}
-        done = subprocess.run(
-            [sys.executable, "-c", f"from outbox_relay.app import app; print({expression})"],
-            env={
-                **environ,
-                "OUTBOX_DSN": "postgresql://relay@127.0.0.1:1/outbox",
-                "CELERY_CONFIG_MODULE": "userconfig",
-                "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).resolve().parent.parent}",
-                **env,
-            },
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        return done.stdout.strip().splitlines()[-1]
-
-    assert shown() == "('amqp://relay:pw@rabbit.example:5672/relay', ['json'])"
-    assert shown(CELERY_BROKER_URL="redis://127.0.0.1:1/3") == "('redis://127.0.0.1:1/3', ['json'])"
-    (tmp_path / "userconfig.py").write_text("")
-    assert shown() == "('redis://127.0.0.1:6379/0', ['json'])"
+    shown = _standalone_app_shows(tmp_path, config, expression, broker=None)
+    assert shown == "('amqp://relay:pw@rabbit.example:5672/relay', ['json'])"
+    shown = _standalone_app_shows(tmp_path, config, expression, broker="redis://127.0.0.1:1/3")
+    assert shown == "('redis://127.0.0.1:1/3', ['json'])"
+    shown = _standalone_app_shows(tmp_path, "", expression, broker=None)
+    assert shown == "('redis://127.0.0.1:6379/0', ['json'])"
 
 
 def test_purge_keeps_up_past_one_runs_bound(recorded_dsn, redis_broker, procs_factory):
