@@ -293,3 +293,51 @@ def test_following_leaves_to_the_claim_what_it_handles_itself(
     # Unlocked: taken, but only as far as the cap leaves room.
     assert _take_next(conn, heads, cap=0) == []
     assert _take_next(conn, heads, cap=1) == [nexts[3]]
+
+
+def test_a_delivery_follows_its_aggregate_round_after_round(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Deliverer.deliver with a follow: each ordered row's done leases and
+    begins the next of its aggregate in the same transaction, and the same
+    call publishes it; the report counts every round (a row given back in
+    the first round stays counted after the later ones)."""
+    from outbox_relay.db import DirectDatabase
+    from outbox_relay.services import Deliverer
+
+    a1, b1, a2, a3 = _enqueue(conn, "ABAA")
+    conn.execute("UPDATE outbox SET ordered = false WHERE id = %s", (b1,))
+    claimed = _claim(conn).claimed
+    assert [m.id for m in claimed] == [a1, b1]
+    # Too little lease left for b1's delivery: given back unpublished.
+    conn.execute("UPDATE outbox SET lease_until = now() + interval '1 second' WHERE id = %s", (b1,))
+
+    class Follow:
+        def __init__(self) -> None:
+            self.asked: list[list[int]] = []
+
+        def wants(self, rows: int) -> bool:
+            return True
+
+        def take(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Any]:
+            self.asked.append(finished)
+            return store.take_next(
+                conn, finished, owner="w", lease=LEASE, max_attempts=3, max_in_flight=1000
+            )
+
+    published: list[int] = []
+    deliverer = Deliverer(
+        lambda message: published.append(int(message.id)),
+        db=DirectDatabase(conn),
+        count_attempt=True,
+        tracer=None,
+    )
+    follow = Follow()
+    report = deliverer.deliver([m.ref for m in claimed], follow)
+    assert published == [a1, a2, a3]
+    assert follow.asked == [[a1], [a2], [a3]]
+    assert (report.done, report.followed, report.released) == (3, 2, 1)
+    assert report.ordered_done == [a1, a2, a3]
+    rows = conn.execute("SELECT id, status, attempts FROM outbox ORDER BY id").fetchall()
+    assert rows == [(a1, "done", 1), (b1, "pending", 0), (a2, "done", 1), (a3, "done", 1)]
+    deliverer.close()

@@ -587,12 +587,14 @@ class Deliverer:
         interrupted = _NotPublished("the delivery task was interrupted")
         padded = [*results, *[(interrupted, 0.0)] * (len(ready) - len(results))]
         running = [isinstance(r, _Unfinished) and r.running for r, _ in padded]
-        report.left_leased = sum(running)
-        if report.left_leased:
+        # Added, not set: a report gathers every round of a delivery (follow).
+        left_leased = sum(running)
+        report.left_leased += left_leased
+        if left_leased:
             log.warning(
                 "%d publish(es) still running when the delivery was interrupted; their rows "
                 "keep their leases until they lapse (the rescuer then frees them)",
-                report.left_leased,
+                left_leased,
             )
         finished = [(row, p) for row, p, r in zip(ready, padded, running) if not r]
         outcomes = [self._outcome(row, result) for row, (result, _) in finished]
@@ -606,7 +608,7 @@ class Deliverer:
             if row.claimed.ordered and outcome.status == "done"
         ]
         changed, taken = self._write(writes, ordered, follow)
-        report.released = sum(1 for o in released if o.id in changed)
+        report.released += sum(1 for o in released if o.id in changed)
         for (row, (result, seconds)), outcome in zip(finished, outcomes):
             # An inline publish the interruption unwound is a failed attempt
             # (counted as retried below); only a row never published is a release.
