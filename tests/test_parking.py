@@ -319,10 +319,12 @@ def test_a_delivery_follows_its_aggregate_round_after_round(
         def wants(self, rows: int) -> bool:
             return True
 
-        def take(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Any]:
-            self.asked.append(finished)
-            return store.take_next(
-                conn, finished, owner="w", lease=LEASE, max_attempts=3, max_in_flight=1000
+        def finish(
+            self, conn: psycopg.Connection[Any], writes: list[Outcome]
+        ) -> tuple[set[int], list[Any]]:
+            self.asked.append([o.id for o in writes])
+            return store.finalize_and_take(
+                conn, writes, owner="w", lease=LEASE, max_attempts=3, max_in_flight=1000
             )
 
     published: list[int] = []
@@ -335,9 +337,34 @@ def test_a_delivery_follows_its_aggregate_round_after_round(
     follow = Follow()
     report = deliverer.deliver([m.ref for m in claimed], follow)
     assert published == [a1, a2, a3]
-    assert follow.asked == [[a1], [a2], [a3]]
+    # Each round's writes: b1 given back with a1 in the first.
+    assert follow.asked == [[a1, b1], [a2], [a3]]
     assert (report.done, report.followed, report.released) == (3, 2, 1)
     assert report.ordered_done == [a1, a2, a3]
     rows = conn.execute("SELECT id, status, attempts FROM outbox ORDER BY id").fetchall()
     assert rows == [(a1, "done", 1), (b1, "pending", 0), (a2, "done", 1), (a3, "done", 1)]
     deliverer.close()
+
+
+def test_a_finish_that_takes_no_next_row_still_makes_it_due(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """finalize_and_take takes a parked next row as it is, and promotes only
+    when it took none (here the in-flight cap left no room): either way no
+    row stays parked behind a finished one."""
+    a1, a2, b1, b2 = _enqueue(conn, "AABB")
+    claimed = {m.id: m for m in _claim(conn).claimed}
+    assert sorted(claimed) == [a1, b1] and _is_parked(conn, a2) and _is_parked(conn, b2)
+    outcome = Outcome.done(claimed[a1])
+    changed, taken = store.finalize_and_take(
+        conn, [outcome], owner="w", lease=LEASE, max_attempts=3, max_in_flight=1
+    )
+    # b1 still holds the only lease the cap allows: a2 is made due, not taken.
+    assert (changed, taken) == ({a1}, [])
+    assert not _is_parked(conn, a2)
+    changed, taken = store.finalize_and_take(
+        conn, [Outcome.done(claimed[b1])], owner="w", lease=LEASE, max_attempts=3, max_in_flight=2
+    )
+    assert changed == {b1} and [b.claimed.id for b in taken] == [b2]
+    row = store.get_row(conn, b2)
+    assert row is not None and row["status"] == "processing"

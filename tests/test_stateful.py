@@ -328,42 +328,49 @@ def test_outbox_state_machine(dsn: str) -> None:
         @precondition(lambda self: self.relay and bool(self.holding()))
         @rule(index=st.integers(0, 50))
         def done_then_follow(self, index: int) -> None:
-            """A delivery task's done, then its lease of the next message of
-            that row's aggregate (store.take_next, the Celery task's follow)."""
-            worker, key, _ = self.pick(index)
+            """A delivery task's done and its lease of the next message of that
+            row's aggregate, in one transaction (store.finalize_and_take, the
+            Celery task's follow): the take leases a parked row as it is, and
+            a promote runs only for an aggregate it did not follow."""
+            worker, key, held = self.pick(index)
+            if not held.begun:
+                self.begin(held)
+            if not held.started:
+                self.publish_and_finalize(index, "done")  # given back unpublished
+                return
+            del self.held[worker][key]
             before = table()
-            self.publish_and_finalize(index, "done")
-            after = table()
-            finished = (
-                [key[0]]
-                if (before[key[0]].status, after[key[0]].status)
-                == (
-                    "processing",
-                    "done",
-                )
-                else []
-            )
-            taken = store.take_next(
+            current = before[key[0]]
+            mine = current.lease_version == key[1] and current.status == "processing"
+            changed, taken = store.finalize_and_take(
                 conn,
-                finished,
+                [Outcome.done(held.claimed)],
                 owner=worker,
                 lease=LEASE,
                 max_attempts=MAX_ATTEMPTS,
                 max_in_flight=CAP,
                 now=self.now,
             )
-            assert len(taken) <= len(finished)
+            after = table()
+            if not mine:
+                assert (changed, taken) == (set(), [])
+                assert after == before, "a stale finish changed the table"
+                return
+            done = after[key[0]]
+            assert changed == {key[0]} and (done.status, done.done_at) == ("done", self.now)
+            assert len(taken) <= 1
             if not self.ordered:
                 assert taken == []
-            done = after[key[0]]
             for began in taken:
                 m = began.claimed
-                was = after[m.id]
+                was = before[m.id]
                 assert (was.aggregate_type, was.aggregate_id) == (
                     done.aggregate_type,
                     done.aggregate_id,
                 )
-                assert was.status == "pending" and was.available_at <= self.now, was
+                # Due, or parked behind the row just done.
+                assert was.status == "pending", was
+                assert was.available_at <= self.now or was.available_at > self.now + PARKED
                 assert m.lease_version == was.lease_version + 1
                 # Its aggregate's first unfinished row: nothing before it waits.
                 assert not any(

@@ -27,7 +27,7 @@ import psycopg
 
 from .._redact import connect_error
 from .._throttle import Throttle
-from ..model import LeaseRef
+from ..model import LeaseRef, Outcome
 from ..services import DeliveryReport
 from ..store.relay import Began, Rescued
 from . import names
@@ -429,8 +429,10 @@ class _Follow:
         worst = self.inst.services().deliverer.worst_seconds(rows)
         return elapsed < FOLLOW_SECONDS and elapsed + worst < self.soft
 
-    def take(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Began]:
-        return self.inst.services().claimer.take_next(conn, finished)
+    def finish(
+        self, conn: psycopg.Connection[Any], writes: list[Outcome]
+    ) -> tuple[set[int], list[Began]]:
+        return self.inst.services().claimer.finish_and_take(conn, writes)
 
 
 def claim_when_due(inst: Installation, delay: float | None) -> None:

@@ -11,7 +11,7 @@ import psycopg
 
 from .. import store
 from ..db import Database
-from ..model import Claimed
+from ..model import Claimed, Outcome
 from ..store.relay import Began
 from ..table import OutboxTable
 
@@ -104,14 +104,16 @@ class Claimer:
         full = batch.taken >= self.batch_size
         return ClaimResult(batch.claimed, full, batch.capped, batch.busy, batch.parked)
 
-    def take_next(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Began]:
-        """Lease and begin the next message of the aggregates of ``finished``
-        (ordered rows just made done), in the caller's transaction, for its
-        delivery to publish at once instead of leaving them to the next
-        claim (store.take_next)."""
-        return store.take_next(
+    def finish_and_take(
+        self, conn: psycopg.Connection[Any], outcomes: list[Outcome]
+    ) -> tuple[set[int], list[Began]]:
+        """Finalize ``outcomes`` and, in the same transaction, lease and begin
+        the next message of each ordered aggregate they made done, for the
+        delivery to publish at once instead of leaving it to the next claim
+        (store.finalize_and_take): the ids changed and the rows taken."""
+        return store.finalize_and_take(
             conn,
-            finished,
+            outcomes,
             owner=self.owner(),
             lease=self.lease,
             max_attempts=self.max_attempts,

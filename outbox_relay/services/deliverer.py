@@ -146,8 +146,11 @@ class Follow(Protocol):
         """Whether to take the next messages of ``rows`` aggregates now."""
         ...
 
-    def take(self, conn: psycopg.Connection[Any], finished: list[int]) -> list[Began]:
-        """Lease and begin them, in the caller's transaction (store.take_next)."""
+    def finish(
+        self, conn: psycopg.Connection[Any], writes: list[Outcome]
+    ) -> tuple[set[int], list[Began]]:
+        """Finalize ``writes`` and lease and begin those next messages in one
+        transaction (store.finalize_and_take): the ids changed, the rows taken."""
         ...
 
 
@@ -651,10 +654,7 @@ class Deliverer:
                 # lease (the rescuer frees them); taking again could not
                 # tell them apart. The finalize alone.
                 return store.finalize(conn, writes, table=self.table), []
-            with conn.transaction():
-                changed = store.finalize(conn, writes, table=self.table, savepoint=False)
-                done = [i for i in ordered if i in changed]
-                return changed, follow.take(conn, done) if done else []
+            return follow.finish(conn, writes)
 
         return self.db.run(write)
 

@@ -594,7 +594,9 @@ RETURNING o.id;
 -- Lease and begin, for the delivery task that just finished them, the next
 -- message of the aggregates of these ordered rows (done in this transaction
 -- or before): each aggregate's first unfinished row marked ordered, if it is
--- pending and due (promote made it due in the same finalize). A claim and a
+-- pending and due, or parked (taken as it is, its available_at made what
+-- promote would have made it: store.finalize_and_take then needs no promote
+-- for it). A claim and a
 -- begin in one: under the claim's lock (claim_lock), at most %(batch)s rows
 -- (store.take_next counts the live leases into it, as claim_batch does), one
 -- per aggregate; the attempt counted and the delivery marked begun, as begin
@@ -618,7 +620,7 @@ WITH heads AS (
     SELECT o.id
       FROM {frag_heads}
      WHERE o.status = 'pending'
-       AND o.available_at <= coalesce(%(now)s::timestamptz, now())
+       AND (o.available_at <= coalesce(%(now)s::timestamptz, now()) OR {frag_parked})
        AND o.event_type <> 'celery.durable'
        AND o.began_version IS DISTINCT FROM o.lease_version
 ), ready AS (
@@ -639,6 +641,10 @@ WITH heads AS (
            lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
                                 ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
                            END,
+           -- A parked row taken as it is leaves the parked band (the
+           -- time it waited from, as promote would have made it due).
+           available_at  = CASE WHEN {frag_parked} THEN {frag_unpark}
+                                ELSE o.available_at END,
            lease_version = o.lease_version + 1,
            attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
                                 ELSE o.attempts + 1 END,
