@@ -265,6 +265,16 @@ def test_invalid_table_names_are_rejected_before_touching_the_database(
     with pytest.raises(InvalidIdentifier, match=pattern):
         store.finalize(closed, [Outcome.done(LeaseRef(1, 1))], table=name)
     with pytest.raises(InvalidIdentifier, match=pattern):
+        store.finalize_and_take(
+            closed,
+            [Outcome.done(LeaseRef(1, 1))],
+            owner="w",
+            lease=timedelta(seconds=1),
+            max_attempts=1,
+            max_in_flight=None,
+            table=name,
+        )
+    with pytest.raises(InvalidIdentifier, match=pattern):
         Deliverer(print, db=DirectDatabase(closed), table=name)
 
 

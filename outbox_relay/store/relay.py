@@ -457,6 +457,7 @@ def finalize(
     """
     if not outcomes:
         return set()
+    queries(table)  # a bad table name is refused before the connection is used
     with statement_tx(conn) if savepoint else nullcontext():
         rows = _finalize_rows(conn, outcomes, table=table, now=now)
         # An ordered row done: the next of its aggregate may be parked, and
@@ -508,6 +509,7 @@ def finalize_and_take(
     runs only then, for them all (a taken row is no longer pending, so the
     promote passes it over). Two round trips fewer a message for one busy
     aggregate, of eight."""
+    queries(table)  # a bad table name is refused before the connection is used
     idle = conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
     with require_connection(conn).transaction() if idle else nullcontext():
         rows = _finalize_rows(conn, outcomes, table=table, now=now)
