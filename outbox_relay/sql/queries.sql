@@ -293,6 +293,15 @@ CROSS JOIN LATERAL (
        ORDER BY n.id
        LIMIT 1) AS o
 
+-- name: frag_exhausted_error
+-- The last_error of a row a claim finds out of attempts (it goes dead
+-- instead of being leased), else its last_error as it was; for a row o of
+-- the CTE "ready" (id, max_attempts): frag_claim_lease's and take_next's.
+CASE WHEN o.attempts >= ready.max_attempts
+     THEN left('retries exhausted: ' || o.attempts || ' attempts used of '
+          || ready.max_attempts || coalesce('; last: ' || o.last_error, ''), 2000)
+     ELSE o.last_error END
+
 -- name: frag_claim_lease
 -- The lease a claim writes on each row of its CTE "ready" (id, max_attempts):
 -- the body of claim's and claim_parking's CTE "changed".
@@ -314,11 +323,7 @@ UPDATE {table} AS o
        lease_version = o.lease_version + 1,
        attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
                             ELSE o.attempts + %(count_attempt)s END,
-       last_error    = CASE WHEN o.attempts >= ready.max_attempts
-                            THEN left('retries exhausted: ' || o.attempts || ' attempts used of '
-                                 || ready.max_attempts
-                                 || coalesce('; last: ' || o.last_error, ''), 2000)
-                            ELSE o.last_error END
+       last_error    = {frag_exhausted_error}
   FROM ready
  WHERE o.id = ready.id
  RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id,
@@ -650,11 +655,7 @@ WITH heads AS (
                                 ELSE o.attempts + 1 END,
            began_version = CASE WHEN o.attempts >= ready.max_attempts THEN o.began_version
                                 ELSE o.lease_version + 1 END,
-           last_error    = CASE WHEN o.attempts >= ready.max_attempts
-                                THEN left('retries exhausted: ' || o.attempts || ' attempts used of '
-                                     || ready.max_attempts
-                                     || coalesce('; last: ' || o.last_error, ''), 2000)
-                                ELSE o.last_error END
+           last_error    = {frag_exhausted_error}
       FROM ready
      WHERE o.id = ready.id
     RETURNING o.*
