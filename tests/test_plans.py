@@ -360,6 +360,38 @@ def test_following_ordered_aggregates_probes_keys_not_finished_rows(
         assert {kind for kind, _ in scans} <= {"Index Scan", "Index Only Scan"}, describe(plan)
 
 
+def take_params() -> dict[str, Any]:
+    return {
+        "batch": 50,
+        "walk": 200,
+        "cap": 1000,
+        "budget": 1 << 20,
+        "owner": "w",
+        "lease": LEASE,
+        "max_attempts": 12,
+        "now": None,
+    }
+
+
+def assert_takes_through_the_live_indexes(plan: dict[str, Any]) -> None:
+    """take_chunk: the walk on the ready index, the rows locked by their
+    primary key, the live leases counted on the leased index."""
+    scans = outbox_scans(plan)
+    assert ("Index Scan", "outbox_ready") in scans, describe(plan)
+    assert {index for _, index in scans} == {"outbox_ready", "outbox_pkey", "outbox_leased"}, (
+        describe(plan)
+    )
+    assert {kind for kind, _ in scans} <= {"Index Scan", "Index Only Scan"}, describe(plan)
+
+
+def test_a_delivery_takes_its_next_chunk_without_walking_finished_rows(
+    big: psycopg.Connection[Any],
+) -> None:
+    """A delivery task's own claim and begin of its next chunk (take_chunk,
+    with a publisher that waits)."""
+    assert_takes_through_the_live_indexes(explain(big, Q.take_chunk, take_params()))
+
+
 def _to_positional(query: str) -> tuple[str, list[str]]:
     """``%(name)s`` (and binary ``%(name)b``) placeholders as ``$n``, for a server-side PREPARE."""
     names: list[str] = []
@@ -396,10 +428,14 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "all_ordered": "false",
         "ordered_types": "'{}'::text[]",
         "needed": "'10 seconds'::interval",
+        "walk": "200",
+        "cap": "1000",
+        "budget": "1048576",
     }
     plans = {}
     try:
-        for name in ("finalize", "finalize_done", "extend_lease", "begin", "claim", "in_flight"):
+        statements = ("finalize", "finalize_done", "extend_lease", "begin", "claim", "in_flight")
+        for name in (*statements, "take_chunk"):
             text, names = _to_positional(getattr(Q, name))
             big.execute(f"PREPARE plan_{name} AS {text}")
             args = ", ".join(literals[n] for n in names)
@@ -415,6 +451,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
     assert_probes_primary_key(plans["begin"])
     assert_walks_only(plans["claim"], "CTE ready", "outbox_ready")
     assert {index for _, index in outbox_scans(plans["in_flight"])} == {"outbox_leased"}
+    assert_takes_through_the_live_indexes(plans["take_chunk"])
 
 
 # ---------------------------------------------------------------- thin statistics

@@ -385,6 +385,43 @@ def test_outbox_state_machine(dsn: str) -> None:
                     m, self.now + LEASE, begun=True, started=True
                 )
 
+        @precondition(lambda self: self.relay)
+        @rule(worker=st.sampled_from(WORKERS), batch=st.integers(1, 4))
+        def take_chunk(self, worker: str, batch: int) -> None:
+            """A delivery task's own claim and begin of its next chunk
+            (store.take_chunk, with a publisher that waits): due plain rows
+            only, in the claim's order, never one with a live lease, never
+            past the cap; each leased and begun (the attempt counted)."""
+            before = table()
+            live = sum(
+                1
+                for r in before.values()
+                if r.status == "processing" and r.lease_until and r.lease_until >= self.now
+            )
+            taken = store.take_chunk(
+                conn,
+                batch=batch,
+                owner=worker,
+                lease=LEASE,
+                max_attempts=MAX_ATTEMPTS,
+                max_in_flight=CAP,
+                budget=1 << 20,
+                now=self.now,
+            )
+            assert len(taken) <= min(batch, max(0, CAP - live))
+            ids = [b.claimed.id for b in taken]
+            assert ids == sorted(ids)
+            for began in taken:
+                m = began.claimed
+                was = before[m.id]
+                assert was.status == "pending" and was.available_at <= self.now, was
+                assert not m.ordered, "an ordered row is the claim's, never taken"
+                assert m.lease_version == was.lease_version + 1
+                assert began.started and m.attempts == was.attempts + 1
+                self.held[worker][(m.id, m.lease_version)] = Held(
+                    m, self.now + LEASE, begun=True, started=True
+                )
+
         def begin(self, held: Held) -> None:
             """The delivery task begins: fence check, attempt counted."""
             before = table()

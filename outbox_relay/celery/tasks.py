@@ -31,7 +31,7 @@ from ..model import LeaseRef, Outcome
 from ..services import DeliveryReport
 from ..store.relay import Began, Rescued
 from . import names
-from .fanout import fan_out
+from .fanout import CHUNK_PAYLOAD_BYTES, chunk_size_for, fan_out
 from .identity import origin_headers, send_back_if_foreign
 from .options import annotations_for, time_limits
 
@@ -133,6 +133,12 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # taken by this task (_Follow): a claim takes it. Without this an
             # aggregate would advance one message per tick.
             send(claim)
+        if report.took:
+            # Rows this task claimed for itself (_Follow.take): its claims
+            # held the claim lock, and a drain's next claim that met one gave
+            # way to it (contend=False) as to a claim that drains on. This one
+            # carries the drain on in its place.
+            send(claim, hint_args(inst.settings, contend=True))
         if report.retried or report.released:
             # Rows given back wait for a claim: one when the first falls due.
             waits = [o.delay.total_seconds() for o in report.outcomes if o.status == "pending"]
@@ -144,7 +150,11 @@ def register_tasks(app: Any, inst: Installation) -> dict[str, Any]:
             # result for its log and events; a dict's repr cost a twentieth
             # of a per-message delivery.
             return _one_outcome(report)
-        return {"done": report.done, "retried": report.retried, "dead": report.dead}
+        result = {"done": report.done, "retried": report.retried, "dead": report.dead}
+        if report.took:
+            # Of those, the rows this task took itself (_Follow.take).
+            result["took"] = report.took
+        return result
 
     def drained(drain: bool | str, refs: list[LeaseRef]) -> dict[str, int] | str:
         # ``drain`` (see fan_out): this task is halfway through a round of a
@@ -412,12 +422,17 @@ def _report_rescued(task: Any, result: Rescued, table: str) -> None:
 
 
 class _Follow:
-    """A delivery task goes on with the next message of each ordered
-    aggregate it advanced (Deliverer.deliver's ``follow``), for up to
-    FOLLOW_SECONDS: leased and begun in the transaction of the done before
-    it, published by this task. Each message of an aggregate otherwise waited
-    for a claim task and a delivery task to cross the broker (about 25 ms:
-    40 a second for one aggregate). Never past the task's soft time limit."""
+    """A delivery task goes on delivering (Deliverer.deliver's ``follow``)
+    for up to FOLLOW_SECONDS, never past its soft time limit:
+
+    * the next message of each ordered aggregate it advanced, leased and
+      begun in the transaction of the done before it. Each message of an
+      aggregate otherwise waited for a claim task and a delivery task to
+      cross the broker (about 25 ms: 40 a second for one aggregate);
+    * with a publisher that waits (``take``), the next chunk of due rows,
+      claimed while its own chunk publishes: a pool process then keeps two
+      chunks in flight instead of idling through the wait.
+    """
 
     def __init__(self, inst: Installation) -> None:
         self.inst = inst
@@ -433,6 +448,11 @@ class _Follow:
         self, conn: psycopg.Connection[Any], writes: list[Outcome]
     ) -> tuple[set[int], list[Began]]:
         return self.inst.services().claimer.finish_and_take(conn, writes)
+
+    def take(self) -> list[Began]:
+        s = self.inst.settings
+        size = chunk_size_for(s.chunk_size, s.max_in_flight, self.inst.concurrency)
+        return self.inst.services().claimer.take_chunk(size, CHUNK_PAYLOAD_BYTES)
 
 
 def claim_when_due(inst: Installation, delay: float | None) -> None:

@@ -121,6 +121,26 @@ class Claimer:
             table=self.table,
         )
 
+    def take_chunk(self, size: int, budget: int) -> list[Began]:
+        """Lease and begin up to ``size`` due plain rows for the delivery
+        task that asks, to publish beside the chunk under way
+        (store.take_chunk; Deliverer._pipeline): a claim under the cap."""
+        return self.db.run(
+            lambda conn: store.take_chunk(
+                conn,
+                batch=size,
+                owner=self.owner(),
+                lease=self.lease,
+                max_attempts=self.max_attempts,
+                max_in_flight=self.max_in_flight,
+                budget=budget,
+                table=self.table,
+            ),
+            # As a claim: repeated after a COMMIT that reached the server,
+            # the first rows would sit leased and begun with no task.
+            retry=False,
+        )
+
     def next_due(self) -> float | None:
         """Seconds until the first row that waits for its time (a retry's
         backoff, a delayed message) falls due; None when none waits."""

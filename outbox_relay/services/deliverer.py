@@ -56,6 +56,7 @@ from .policy import RetryPolicy, classify
 
 __all__ = [
     "RAMP_SECONDS",
+    "SLOW_PUBLISH_SECONDS",
     "Deliverer",
     "DeliveryReport",
     "Follow",
@@ -73,6 +74,12 @@ Publisher = Callable[[Message], Any]
 # The longest a chunk's rows wait for their publishing threads to start when
 # the publisher has been fast (see Deliverer._publish_all).
 RAMP_SECONDS = 0.02
+
+# A publisher that takes at least this long a message (on average, lately)
+# leaves the delivery task waiting for most of a chunk's time: with a
+# ``Follow``, the task then leases and publishes the next chunk while the
+# one under way waits (Deliverer._pipeline).
+SLOW_PUBLISH_SECONDS = 0.005
 
 
 def threads_at_once(publish_seconds: float | None, rows: int, threads: int) -> int:
@@ -124,6 +131,9 @@ class DeliveryReport:
     # Of those next messages, how many this delivery took and delivered too
     # (``Deliverer.deliver``'s ``follow``): the rest are a claim's.
     followed: int = 0
+    # Rows this delivery leased for itself while its publishes waited on a
+    # slow publisher (``Follow.take``), a chunk at a time.
+    took: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
 
     @property
@@ -131,7 +141,17 @@ class DeliveryReport:
         return len(self.ordered_done)
 
     def add(self, other: DeliveryReport) -> None:
-        names = ("done", "retried", "dead", "stale", "released", "lost", "left_leased", "followed")
+        names = (
+            "done",
+            "retried",
+            "dead",
+            "stale",
+            "released",
+            "lost",
+            "left_leased",
+            "followed",
+            "took",
+        )
         for name in names:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.ordered_done.extend(other.ordered_done)
@@ -151,6 +171,13 @@ class Follow(Protocol):
     ) -> tuple[set[int], list[Began]]:
         """Finalize ``writes`` and lease and begin those next messages in one
         transaction (store.finalize_and_take): the ids changed, the rows taken."""
+        ...
+
+    def take(self) -> list[Began]:
+        """Lease and begin a chunk of due rows for this delivery to publish
+        beside the one under way (``Deliverer.deliver`` with a slow
+        publisher); none when nothing is due or the in-flight cap leaves no
+        room."""
         ...
 
 
@@ -184,6 +211,23 @@ class _Run:
     taken: list[bool] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     results: list[_Result] = field(default_factory=list)
+
+
+@dataclass
+class _Lane:
+    """A chunk publishing while the task does something else (_pipeline)."""
+
+    rows: list[Began]
+    released: list[Outcome]
+    run: _Run
+    hold: Hold | None
+    # A coroutine publisher's chunk, under way on the publish loop.
+    pending: Future[None] | None = None
+
+    def close(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
 
 
 class _Attempt:
@@ -309,12 +353,103 @@ class Deliverer:
             )
         )
         ready, released = self._sort(refs, began, worst, report)
+        if follow is not None and self._waits_on_publisher(ready):
+            self._pipeline(ready, released, worst, report, follow)
+            return report
         while True:
             ready = self._round(ready, released, worst, report, follow)
             if not ready:
                 return report
             report.followed += len(ready)
             released, worst = [], self.worst_seconds(len(ready))
+
+    def _waits_on_publisher(self, ready: list[Began]) -> bool:
+        """Whether a chunk spends most of its time waiting for the publisher:
+        several unordered rows, a publisher slower than SLOW_PUBLISH_SECONDS.
+        (An ordered chunk keeps its own follow: the next message of each
+        aggregate, taken as the chunk's done commits.)"""
+        slow = self._publish_seconds is not None and self._publish_seconds >= SLOW_PUBLISH_SECONDS
+        return (
+            slow
+            and self.concurrency > 1
+            and len(ready) > 1
+            and not any(row.claimed.ordered for row in ready)
+        )
+
+    def _pipeline(
+        self,
+        ready: list[Began],
+        released: list[Outcome],
+        worst: float,
+        report: DeliveryReport,
+        follow: Follow,
+    ) -> None:
+        """Deliver the chunk and, while ``follow.wants`` it, one more at a
+        time, taken (``follow.take``) and begun while the one before is
+        still publishing: two chunks in flight, each begun, published and
+        finalized as a chunk is by itself.
+
+        With a publisher that waits (20 ms for an HTTP call, say), a chunk's
+        task otherwise spends that wait idle and its own work (the begin, the
+        claim and hand-over of the next task) after it: with chunks of 50 the
+        pool was busy a third of the time. Here that work overlaps the wait.
+        """
+        lanes: list[_Lane] = []
+        taking = True
+        try:
+            self._launch(lanes, ready, released, worst)
+            while lanes:
+                if taking and len(lanes) == 1 and follow.wants(len(lanes[0].rows)):
+                    taken = self._take(follow)
+                    report.took += len(taken)
+                    taking = bool(taken)
+                    if taken:
+                        self._launch(lanes, taken, [], self.worst_seconds(len(taken)))
+                self._wait(lanes[0])
+                lane = lanes.pop(0)
+                lane.close()
+                self._finish(lane.rows, lane.run.results, lane.released, report)
+        except Exception as exc:  # a soft time limit: finalize what each lane published
+            for lane in lanes:
+                self._collect_after(exc, lane.run)
+                lane.close()
+                self._finish(lane.rows, lane.run.results, lane.released, report)
+            raise
+
+    def _take(self, follow: Follow) -> list[Began]:
+        """The next chunk, or none if the database would not give one: the
+        chunk under way is finalized all the same (a take whose commit the
+        connection lost leaves its rows to their leases, as a begin would)."""
+        try:
+            return follow.take()
+        except psycopg.Error:
+            log.warning("could not take the next chunk; finishing the one under way", exc_info=True)
+            return []
+
+    def _launch(
+        self, lanes: list[_Lane], rows: list[Began], released: list[Outcome], worst: float
+    ) -> None:
+        """Start publishing a begun chunk as the last of ``lanes``, without
+        waiting for it (``_wait`` does). In ``lanes`` before any publish
+        starts: an interruption from here on finalizes it with the others."""
+        self._flush_before_retries(rows)
+        run = _Run(slots=[None] * len(rows), taken=[False] * len(rows))
+        lane = _Lane(rows, released, run, self._hold(rows, worst))
+        lanes.append(lane)
+        if not rows:
+            return
+        if self.is_async:
+            lane.pending = self._start_async(rows, lane.hold, run)
+        else:
+            self._start_threads(rows, lane.hold, run, ramp=False)
+
+    def _wait(self, lane: _Lane) -> None:
+        """Wait for a lane's publishes (an interruption is raised here)."""
+        if lane.pending is not None:
+            lane.pending.result()
+            lane.run.results = [slot for slot in lane.run.slots if slot is not None]
+        elif lane.rows:
+            self._wait_threads(lane.run)
 
     def _round(
         self,
@@ -325,17 +460,8 @@ class Deliverer:
         follow: Follow | None,
     ) -> list[Began]:
         """Publish and finalize begun rows; the next ones taken (``follow``)."""
-        if self.completer is not None and any(row.claimed.attempts > 1 for row in ready):
-            # A row tried before may be one that kills its process (a poison
-            # message): the done this process gathered is written first, so
-            # such a crash never costs other messages an attempt.
-            self.completer.flush()
-        hold: Hold | None = None
-        if self.keeper is not None and ready:
-            # Renewed only while the chunk is within its worst case; after
-            # that a hung publisher lets the lease lapse (the rescuer frees it).
-            pairs = [(row.claimed.ref, row.lease_left_seconds) for row in ready]
-            hold = self.keeper.hold(pairs, max_hold=worst)
+        self._flush_before_retries(ready)
+        hold = self._hold(ready, worst)
         interrupted: BaseException | None = None
         run = _Run()
         with hold if hold is not None else nullcontext():
@@ -350,6 +476,21 @@ class Deliverer:
         if interrupted is not None:
             raise interrupted
         return taken
+
+    def _flush_before_retries(self, rows: list[Began]) -> None:
+        if self.completer is not None and any(row.claimed.attempts > 1 for row in rows):
+            # A row tried before may be one that kills its process (a poison
+            # message): the done this process gathered is written first, so
+            # such a crash never costs other messages an attempt.
+            self.completer.flush()
+
+    def _hold(self, rows: list[Began], worst: float) -> Hold | None:
+        if self.keeper is None or not rows:
+            return None
+        # Renewed only while the chunk is within its worst case; after that a
+        # hung publisher lets the lease lapse (the rescuer frees it).
+        pairs = [(row.claimed.ref, row.lease_left_seconds) for row in rows]
+        return self.keeper.hold(pairs, max_hold=worst)
 
     def _sort(
         self,
@@ -467,11 +608,12 @@ class Deliverer:
         thread (where an interruption such as a soft time limit is raised)."""
         return asyncio.run_coroutine_threadsafe(coroutine, publish_loop()).result()
 
-    def _publish_all_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
+    def _start_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> Future[None]:
         """A chunk's publishes as coroutines, up to ``concurrency`` at once, in
         row order: the waves of the threaded path, without a thread hand-off
-        per publish. An interruption (raised here, in the task's thread, while
-        it waits) leaves the publishes under way running, as threads would."""
+        per publish; the future to wait on. An interruption (raised in the
+        task's thread while it waits) leaves the publishes under way running,
+        as threads would."""
         run.slots = [None] * len(rows)
         run.taken = [False] * len(rows)
 
@@ -486,8 +628,12 @@ class Deliverer:
         async def publish_all() -> None:
             gate = asyncio.Semaphore(self.concurrency)
             await asyncio.gather(*(publish(i, gate) for i in range(len(rows))))
+            self._learn([slot[1] for slot in run.slots if slot is not None])
 
-        self._wait_on_loop(publish_all())
+        return asyncio.run_coroutine_threadsafe(publish_all(), publish_loop())
+
+    def _publish_all_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
+        self._start_async(rows, hold, run).result()
         run.results = [slot for slot in run.slots if slot is not None]
 
     def _publish_all(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
@@ -498,6 +644,15 @@ class Deliverer:
             for row in rows:
                 run.results.append(self._publish(row, hold, run.stop))
             return
+        self._start_threads(rows, hold, run, ramp=True)
+        self._wait_threads(run)
+
+    def _start_threads(
+        self, rows: Sequence[Began], hold: Hold | None, run: _Run, *, ramp: bool
+    ) -> None:
+        """Start a chunk's publishing threads (``_wait_threads`` waits for
+        them). ``ramp``: start only as many as the publisher's pace needs
+        (``threads_at_once``); otherwise all of them."""
         # Up to ``concurrency`` threads take the rows one at a time, in order,
         # from one shared position: the schedule a future per row would give
         # (the same waves, and a hung publish holds up only its own thread),
@@ -525,13 +680,15 @@ class Deliverer:
 
         pool = self._pool()
         threads = min(self.concurrency, len(rows))
-        first = threads_at_once(self._publish_seconds, len(rows), threads)
+        first = threads_at_once(self._publish_seconds, len(rows), threads) if ramp else threads
         run.futures = [pool.submit(take_rows) for _ in range(first)]
         # The rest start as soon as the chunk is not all taken within
         # RAMP_SECONDS (the publisher slowed down): no row starts later than
         # that beyond the usual waves, a sliver of the lease's spare fifth.
         if first < threads and not all_taken.wait(RAMP_SECONDS):
             run.futures += [pool.submit(take_rows) for _ in range(threads - first)]
+
+    def _wait_threads(self, run: _Run) -> None:
         for future in run.futures:
             future.result()
         run.results = [slot for slot in run.slots if slot is not None]

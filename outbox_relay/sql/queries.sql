@@ -595,6 +595,46 @@ UPDATE {table} AS o
    AND o.status NOT IN ('processing', 'done', 'dead')
 RETURNING o.id;
 
+-- name: frag_take_lease
+-- A lease and a begin in one, on each row of the CTE "ready" (id,
+-- max_attempts), for a delivery task that publishes the rows at once (no
+-- broker in between to lose them): the lease as a claim writes it, the
+-- attempt counted and the delivery marked begun as begin does; a row out of
+-- attempts goes dead, as a claim would send it. The body of take_next's and
+-- take_chunk's CTE "changed".
+UPDATE {table} AS o
+   SET status        = CASE WHEN o.attempts >= ready.max_attempts THEN 'dead'
+                            ELSE 'processing' END,
+       lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
+                            ELSE %(owner)s END,
+       lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
+                            ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+                       END,
+       -- A parked row taken as it is leaves the parked band (the
+       -- time it waited from, as promote would have made it due).
+       available_at  = CASE WHEN {frag_parked} THEN {frag_unpark}
+                            ELSE o.available_at END,
+       lease_version = o.lease_version + 1,
+       attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
+                            ELSE o.attempts + 1 END,
+       began_version = CASE WHEN o.attempts >= ready.max_attempts THEN o.began_version
+                            ELSE o.lease_version + 1 END,
+       last_error    = {frag_exhausted_error}
+  FROM ready
+ WHERE o.id = ready.id
+RETURNING o.*
+
+-- name: frag_take_rows
+-- What take_next and take_chunk return of their CTE "changed": begin's
+-- columns, for the rows leased (not those sent dead).
+SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
+       nullif(headers, jsonb_build_object()), operation_key, created_at, lease_until, ordered,
+       extract(epoch FROM lease_until - coalesce(%(now)s::timestamptz, now()))::float8,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - created_at)::float8,
+       true
+  FROM changed
+ WHERE status = 'processing'
+
 -- name: take_next
 -- Lease and begin, for the delivery task that just finished them, the next
 -- message of the aggregates of these ordered rows (done in this transaction
@@ -637,36 +677,52 @@ WITH heads AS (
      ORDER BY o.id
      LIMIT %(batch)s::int
        FOR UPDATE OF o SKIP LOCKED
-), changed AS (
-    UPDATE {table} AS o
-       SET status        = CASE WHEN o.attempts >= ready.max_attempts THEN 'dead'
-                                ELSE 'processing' END,
-           lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
-                                ELSE %(owner)s END,
-           lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
-                                ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
-                           END,
-           -- A parked row taken as it is leaves the parked band (the
-           -- time it waited from, as promote would have made it due).
-           available_at  = CASE WHEN {frag_parked} THEN {frag_unpark}
-                                ELSE o.available_at END,
-           lease_version = o.lease_version + 1,
-           attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
-                                ELSE o.attempts + 1 END,
-           began_version = CASE WHEN o.attempts >= ready.max_attempts THEN o.began_version
-                                ELSE o.lease_version + 1 END,
-           last_error    = {frag_exhausted_error}
-      FROM ready
-     WHERE o.id = ready.id
-    RETURNING o.*
-)
-SELECT id, lease_version, attempts, aggregate_type, aggregate_id, event_type, payload,
-       nullif(headers, jsonb_build_object()), operation_key, created_at, lease_until, ordered,
-       extract(epoch FROM lease_until - coalesce(%(now)s::timestamptz, now()))::float8,
-       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - created_at)::float8,
-       true
-  FROM changed
- WHERE status = 'processing';
+), changed AS ({frag_take_lease})
+{frag_take_rows};
+
+-- name: take_chunk
+-- Lease and begin up to %(batch)s due rows for the delivery task that runs
+-- this, to publish beside the chunk it is publishing (Deliverer._pipeline:
+-- a publisher that waits). A claim and a begin in one, under the claim's
+-- lock (claim_lock), within the in-flight cap %(cap)s (NULL: none), counted
+-- here; and within %(budget)s bytes of stored payload, as the fan-out's
+-- chunks are (fanout.CHUNK_PAYLOAD_BYTES; one row at least).
+--
+-- Only plain rows: the rows a claim would lease next (the first %(walk)s due,
+-- in its order) less those it handles itself: ordered rows (their
+-- aggregate's turn), a durable Celery task's row (sent as the task itself),
+-- a row whose last delivery was interrupted (delivered alone). Walked
+-- unlocked and bounded, so that a backlog of such rows costs the walk no
+-- more; a row a claim in progress holds is the claim's (SKIP LOCKED).
+WITH walked AS (
+    SELECT o.id, o.available_at, pg_column_size(o.payload) AS stored
+      FROM (SELECT *
+              FROM {table} AS o
+             WHERE o.status = 'pending'
+               AND o.available_at <= coalesce(%(now)s::timestamptz, now())
+             ORDER BY o.available_at, o.id
+             LIMIT %(walk)s::int) AS o
+     WHERE NOT o.ordered
+       AND o.event_type <> 'celery.durable'
+       AND o.began_version IS DISTINCT FROM o.lease_version
+), within AS (
+    SELECT id, sum(stored) OVER (ORDER BY available_at, id) - stored AS before
+      FROM walked
+), ready AS (
+    SELECT o.id, {frag_max_attempts} AS max_attempts
+      FROM {table} AS o
+     WHERE o.id = ANY(ARRAY(SELECT id FROM within WHERE before < %(budget)s::bigint))
+       -- Pending, checked again on the row locked.
+       AND o.status = 'pending'
+     ORDER BY o.available_at, o.id
+     LIMIT greatest(0, least(%(batch)s::int, %(cap)s::int - (
+               SELECT count(*)::int
+                 FROM {table}
+                WHERE status = 'processing'
+                  AND lease_until >= coalesce(%(now)s::timestamptz, now()))))
+       FOR UPDATE OF o SKIP LOCKED
+), changed AS ({frag_take_lease})
+{frag_take_rows};
 
 -- name: reprobe_parked
 -- The rescuer's second look at rows parked longer than %(after)s: made due

@@ -39,6 +39,7 @@ from .relay import (
     reprobe_parked,
     reschedule,
     rescue,
+    take_chunk,
     take_next,
 )
 from .schema import (
@@ -89,5 +90,6 @@ __all__ = [
     "statement_tx",
     "stats",
     "table_exists",
+    "take_chunk",
     "take_next",
 ]

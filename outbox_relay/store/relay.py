@@ -39,6 +39,7 @@ __all__ = [
     "reprobe_parked",
     "reschedule",
     "rescue",
+    "take_chunk",
     "take_next",
 ]
 
@@ -319,6 +320,44 @@ def take_next(
             if params["batch"] <= 0:
                 return []
         rows = conn.execute(q.take_next, params).fetchall()
+    return sorted((_began(row) for row in rows), key=lambda b: b.claimed.id)
+
+
+def take_chunk(
+    conn: psycopg.Connection[Any],
+    *,
+    batch: int,
+    owner: str,
+    lease: timedelta,
+    max_attempts: int,
+    max_in_flight: int | None,
+    budget: int,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> list[Began]:
+    """Lease and begin up to ``batch`` due plain rows (not ordered, not a
+    durable task's, not interrupted) within the in-flight cap and ``budget``
+    bytes of stored payload, for the caller to publish at once; sorted by id.
+    A claim (its lock, a durable commit) and a begin (the attempt counted) in
+    one transaction of its own: BEGIN, the lock, the take, COMMIT."""
+    if batch <= 0:
+        return []
+    q = queries(table)
+    params: dict[str, Any] = {
+        "batch": batch,
+        # The claim's order, a few chunks deep: the rows it handles itself
+        # (ordered, durable, interrupted) are walked past, never taken.
+        "walk": 4 * batch,
+        "cap": max_in_flight,
+        "budget": budget,
+        "owner": owner,
+        "lease": lease,
+        "max_attempts": max_attempts,
+        "now": now,
+    }
+    with require_connection(conn).transaction():
+        conn.execute(q.claim_lock, {"key": f"{q.table.lock_key}:claim"})
+        rows = conn.execute(q.take_chunk, params).fetchall()
     return sorted((_began(row) for row in rows), key=lambda b: b.claimed.id)
 
 
