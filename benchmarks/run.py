@@ -1147,9 +1147,11 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
                 if not args.quick:
-                    # What docs/operations.md advises for a slow receiver:
-                    # each pool process publishes one chunk at a time, so
-                    # twice the pool keeps twice the chunks in flight.
+                    # What docs/operations.md advised for a slow receiver
+                    # while each pool process published one chunk at a time
+                    # (twice the pool kept twice the chunks in flight); since
+                    # a process keeps two in flight itself (docs/state-machine.md),
+                    # the comparison with -c 4.
                     for key, publisher, kind in (
                         ("chunked50_20ms_async_c2", "wait20ms_async", "coroutine"),
                         ("chunked50_20ms_c2", "wait20ms", "threaded"),
