@@ -129,6 +129,7 @@ class _Takes:
         self.conn = conn
         self.size = size
         self.left = chunks
+        self.limits: list[int] = []
 
     def wants(self, rows: int) -> bool:
         return self.left > 0
@@ -138,11 +139,12 @@ class _Takes:
     ) -> tuple[set[int], list[Began]]:
         return store.finalize(conn, writes), []
 
-    def take(self) -> list[Began]:
+    def take(self, limit: int) -> list[Began]:
         self.left -= 1
+        self.limits.append(limit)
         return store.take_chunk(
             self.conn,
-            batch=self.size,
+            batch=min(self.size, limit),
             owner="w",
             lease=LEASE,
             max_attempts=3,
@@ -210,6 +212,33 @@ def test_a_slow_publisher_keeps_two_chunks_in_flight(conn: psycopg.Connection[An
     assert _most_at_once(publish.spans.values()) > 4
 
 
+def test_two_chunks_in_flight_stay_within_the_publish_concurrency(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """OUTBOX_PUBLISH_CONCURRENCY bounds a task's publishes at once with two
+    chunks as with one: a chunk takes a second only when one as large fits
+    beside it, and at most what it leaves."""
+    ids = _seed(conn, 17)
+    publish = _Recorder(0.05)
+    deliverer = _deliverer(conn, publish, concurrency=6)
+    takes = _Takes(conn, 4, chunks=10)
+    try:
+        first = store.claim(conn, owner="w", batch=2, lease=LEASE, count_attempt=False)
+        assert deliverer.deliver([m.ref for m in first]).done == 2
+        # 4 + 4 > 6: alone.
+        second = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+        assert (deliverer.deliver([m.ref for m in second], takes).took, takes.limits) == (0, [])
+        # 3 + 3 = 6: two chunks of 3 at a time.
+        third = store.claim(conn, owner="w", batch=3, lease=LEASE, count_attempt=False)
+        report = deliverer.deliver([m.ref for m in third], takes)
+    finally:
+        deliverer.close()
+    assert report.done == 11 and sorted(publish.calls) == ids
+    # 6 - 3 beside each chunk of 3.
+    assert takes.limits[:3] == [3, 3, 3]
+    assert 3 < _most_at_once(publish.spans.values()) <= 6
+
+
 def _most_at_once(spans: Any) -> int:
     edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     running = most = 0
@@ -239,41 +268,42 @@ def test_a_fast_publisher_takes_nothing(conn: psycopg.Connection[Any]) -> None:
 def test_a_soft_time_limit_mid_pipeline_finalizes_both_chunks(
     conn: psycopg.Connection[Any],
 ) -> None:
-    """Interrupted while two chunks publish: the first chunk's rows are done;
-    of the taken chunk, the rows still publishing keep their leases (the
-    rescuer frees them, attempt counted) and those never started go back at
-    once with their attempt refunded. Nothing starts afterwards."""
-    ids = _seed(conn, 10)
-    publish = _Recorder(0.02, hang_from=6)
-    deliverer = _deliverer(conn, publish, concurrency=2)
+    """Interrupted while two chunks publish: the first chunk's rows, which
+    were published, are done; the taken chunk's rows, still publishing,
+    keep their leases (the rescuer frees them, attempt counted: given back
+    now, each would be published again beside its first publish). Nothing
+    starts afterwards."""
+    ids = _seed(conn, 8)
+    publish = _Recorder(0.02, hang_from=4)
+    deliverer = _deliverer(conn, publish, concurrency=6)
     # The pace learned from a first chunk of two (rows 0 and 1).
     claimed = store.claim(conn, owner="w", batch=2, lease=LEASE, count_attempt=False)
     assert deliverer.deliver([m.ref for m in claimed]).done == 2
-    # Chunk A: rows 2..5 (published); chunk B, taken: rows 6..9, whose
-    # publishes hang (two threads: 6 and 7 under way, 8 and 9 never started).
-    claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+    # Chunk A: rows 2 and 3 (published); chunk B, taken beside it (6 - 2 =
+    # 4 rows): rows 4 to 7, whose publishes hang.
+    claimed = store.claim(conn, owner="w", batch=2, lease=LEASE, count_attempt=False)
 
     def soft_limit(signum: int, frame: Any) -> None:
         raise SoftTimeLimitExceeded()
 
+    takes = _Takes(conn, 4, chunks=1)
     previous = signal.signal(signal.SIGALRM, soft_limit)
     signal.setitimer(signal.ITIMER_REAL, 0.8)
     try:
         with pytest.raises(SoftTimeLimitExceeded):
-            deliverer.deliver([m.ref for m in claimed], _Takes(conn, 4, chunks=1))
+            deliverer.deliver([m.ref for m in claimed], takes)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         publish.release.set()
         time.sleep(0.1)
         deliverer.close()
+    assert takes.limits == [4]
     state = _state(conn)
-    assert [state[i][:2] for i in ids[:6]] == [("done", 1)] * 6
-    assert [state[i][:2] for i in ids[6:8]] == [("processing", 1)] * 2
-    assert [state[i][:2] for i in ids[8:]] == [("pending", 0)] * 2
-    assert all("interrupted" in state[i][3] for i in ids[8:])
+    assert [state[i][:2] for i in ids[:4]] == [("done", 1)] * 4
+    assert [state[i][:2] for i in ids[4:]] == [("processing", 1)] * 4
     time.sleep(0.2)
-    assert sorted(publish.calls) == ids[:8]
+    assert sorted(publish.calls) == ids
 
 
 def test_a_take_the_database_refuses_leaves_the_chunk_under_way_to_finish(
@@ -284,10 +314,10 @@ def test_a_take_the_database_refuses_leaves_the_chunk_under_way_to_finish(
     finalized as it would have been."""
     ids = _seed(conn, 6)
     publish = _Recorder(0.02)
-    deliverer = _deliverer(conn, publish, concurrency=4)
+    deliverer = _deliverer(conn, publish, concurrency=8)
 
     class Refused(_Takes):
-        def take(self) -> list[Began]:
+        def take(self, limit: int) -> list[Began]:
             self.left -= 1
             raise psycopg.OperationalError("server closed the connection unexpectedly")
 

@@ -449,10 +449,10 @@ class _Follow:
     ) -> tuple[set[int], list[Began]]:
         return self.inst.services().claimer.finish_and_take(conn, writes)
 
-    def take(self) -> list[Began]:
+    def take(self, limit: int) -> list[Began]:
         s = self.inst.settings
         size = chunk_size_for(s.chunk_size, s.max_in_flight, self.inst.concurrency)
-        return self.inst.services().claimer.take_chunk(size, CHUNK_PAYLOAD_BYTES)
+        return self.inst.services().claimer.take_chunk(min(size, limit), CHUNK_PAYLOAD_BYTES)
 
 
 def claim_when_due(inst: Installation, delay: float | None) -> None:

@@ -173,11 +173,11 @@ class Follow(Protocol):
         transaction (store.finalize_and_take): the ids changed, the rows taken."""
         ...
 
-    def take(self) -> list[Began]:
-        """Lease and begin a chunk of due rows for this delivery to publish
-        beside the one under way (``Deliverer.deliver`` with a slow
-        publisher); none when nothing is due or the in-flight cap leaves no
-        room."""
+    def take(self, limit: int) -> list[Began]:
+        """Lease and begin a chunk of due rows, at most ``limit``, for this
+        delivery to publish beside the one under way (``Deliverer.deliver``
+        with a slow publisher); none when nothing is due or the in-flight
+        cap leaves no room."""
         ...
 
 
@@ -364,15 +364,15 @@ class Deliverer:
             released, worst = [], self.worst_seconds(len(ready))
 
     def _waits_on_publisher(self, ready: list[Began]) -> bool:
-        """Whether a chunk spends most of its time waiting for the publisher:
-        several unordered rows, a publisher slower than SLOW_PUBLISH_SECONDS.
+        """Whether a chunk spends most of its time waiting for the publisher
+        (slower than SLOW_PUBLISH_SECONDS) and a second one as large fits
+        beside it: several unordered rows, at most half of ``concurrency``.
         (An ordered chunk keeps its own follow: the next message of each
         aggregate, taken as the chunk's done commits.)"""
         slow = self._publish_seconds is not None and self._publish_seconds >= SLOW_PUBLISH_SECONDS
         return (
             slow
-            and self.concurrency > 1
-            and len(ready) > 1
+            and 1 < len(ready) <= self.concurrency // 2
             and not any(row.claimed.ordered for row in ready)
         )
 
@@ -387,7 +387,12 @@ class Deliverer:
         """Deliver the chunk and, while ``follow.wants`` it, one more at a
         time, taken (``follow.take``) and begun while the one before is
         still publishing: two chunks in flight, each begun, published and
-        finalized as a chunk is by itself.
+        finalized as a chunk is by itself. Only while a second chunk as
+        large as the one under way fits beside it within ``concurrency``,
+        and at most what that one leaves: the task's publishes at once stay
+        within OUTBOX_PUBLISH_CONCURRENCY, as with one chunk (a receiver
+        that should see fewer requests at once is served by lowering it),
+        and no take is made for a sliver.
 
         With a publisher that waits (20 ms for an HTTP call, say), a chunk's
         task otherwise spends that wait idle and its own work (the begin, the
@@ -399,8 +404,10 @@ class Deliverer:
         try:
             self._launch(lanes, ready, released, worst)
             while lanes:
-                if taking and len(lanes) == 1 and follow.wants(len(lanes[0].rows)):
-                    taken = self._take(follow)
+                under_way = len(lanes[0].rows)
+                room = self.concurrency - under_way
+                if taking and len(lanes) == 1 and room >= under_way and follow.wants(under_way):
+                    taken = self._take(follow, room)
                     report.took += len(taken)
                     taking = bool(taken)
                     if taken:
@@ -416,12 +423,12 @@ class Deliverer:
                 self._finish(lane.rows, lane.run.results, lane.released, report)
             raise
 
-    def _take(self, follow: Follow) -> list[Began]:
+    def _take(self, follow: Follow, limit: int) -> list[Began]:
         """The next chunk, or none if the database would not give one: the
         chunk under way is finalized all the same (a take whose commit the
         connection lost leaves its rows to their leases, as a begin would)."""
         try:
-            return follow.take()
+            return follow.take(limit)
         except psycopg.Error:
             log.warning("could not take the next chunk; finishing the one under way", exc_info=True)
             return []
