@@ -23,6 +23,7 @@ from outbox_relay import Message, NewMessage, enqueue_many, store
 from outbox_relay.db import DirectDatabase
 from outbox_relay.model import Outcome
 from outbox_relay.services import Deliverer
+from outbox_relay.services.deliverer import BUSY_SHARE
 from outbox_relay.store.relay import Began
 
 LEASE = timedelta(seconds=30)
@@ -176,7 +177,7 @@ class _Recorder:
 
 
 def _deliverer(conn: psycopg.Connection[Any], publish: Any, concurrency: int) -> Deliverer:
-    return Deliverer(
+    deliverer = Deliverer(
         publish,
         db=DirectDatabase(conn),
         count_attempt=True,
@@ -184,6 +185,10 @@ def _deliverer(conn: psycopg.Connection[Any], publish: Any, concurrency: int) ->
         concurrency=concurrency,
         publish_timeout=2,
     )
+    # The machine's idle CPU is not these tests' business (a test run keeps
+    # both CPUs busy): no /proc/stat, no opinion. Its own test sets one.
+    deliverer._cpu_idle.PATH = "/nonexistent/stat"
+    return deliverer
 
 
 def test_a_slow_publisher_keeps_two_chunks_in_flight(conn: psycopg.Connection[Any]) -> None:
@@ -203,6 +208,7 @@ def test_a_slow_publisher_keeps_two_chunks_in_flight(conn: psycopg.Connection[An
         report = deliverer.deliver([m.ref for m in second], _Takes(conn, 4, chunks=10))
     finally:
         deliverer.close()
+    assert deliverer.busy_share is not None and deliverer.busy_share < 0.5
     assert (report.done, report.took) == (16, 12)
     assert sorted(publish.calls) == ids  # each once
     state = _state(conn)
@@ -263,6 +269,108 @@ def test_a_fast_publisher_takes_nothing(conn: psycopg.Connection[Any]) -> None:
         deliverer.close()
     assert takes.left == 10
     assert store.in_flight(conn) == 0
+
+
+def _compute(message: Message) -> None:
+    until = time.thread_time() + 0.01
+    while time.thread_time() < until:  # 10 ms of CPU, holding the GIL
+        pass
+
+
+def test_the_busy_share_tells_a_computing_publisher_from_a_waiting_one(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """The share of a chunk's wave its publishes kept the interpreter busy:
+    high for a publisher that computes (an HTTP client's parsing and TLS),
+    near nothing for one that waits. (Compared, not pinned: on a loaded
+    machine the computing threads get less of a CPU and their share drops.)"""
+    _seed(conn, 8)
+    shares = []
+    for publish in (_compute, _Recorder(0.02)):
+        deliverer = _deliverer(conn, publish, concurrency=8)
+        try:
+            claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+            assert deliverer.deliver([m.ref for m in claimed]).done == 4
+        finally:
+            deliverer.close()
+        assert deliverer.publish_seconds is not None and deliverer.publish_seconds >= 0.01
+        shares.append(deliverer.busy_share)
+    computing, waiting = shares
+    assert computing is not None and waiting is not None
+    assert waiting < 0.2 and computing > 3 * waiting, shares
+
+
+def test_a_publisher_that_keeps_the_interpreter_busy_takes_nothing(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """At a busy share of BUSY_SHARE or more a second chunk would only queue
+    behind the first for the GIL: the delivery keeps to its own chunk. (The
+    share the first chunk measured is set here: measured, it depends on how
+    busy the machine running the test is, see the test above.)"""
+    _seed(conn, 8)
+    deliverer = _deliverer(conn, _compute, concurrency=8)
+    takes = _Takes(conn, 4, chunks=10)
+    try:
+        claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+        assert deliverer.deliver([m.ref for m in claimed], takes).took == 0
+        deliverer._busy_share = BUSY_SHARE
+        claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+        assert deliverer.deliver([m.ref for m in claimed], takes).took == 0
+    finally:
+        deliverer.close()
+    assert takes.left == 10
+
+
+def test_busy_cpus_keep_a_delivery_to_its_own_chunk(
+    conn: psycopg.Connection[Any], tmp_path: Any
+) -> None:
+    """A second chunk in flight only pays while the machine's CPUs have time
+    to spare: where they were all taken since the delivery before (read from
+    /proc/stat), a delivery keeps to its own chunk; once they idle again, it
+    takes the next one."""
+    _seed(conn, 16)
+    stat = tmp_path / "stat"
+    deliverer = _deliverer(conn, _Recorder(0.03), concurrency=8)
+    probe = deliverer._cpu_idle
+    probe.PATH = str(stat)
+    probe.LOOK_SECONDS = 0.0
+    ticks = {"busy": 0, "idle": 0}
+
+    def advance(busy: int, idle: int) -> None:
+        ticks["busy"] += busy
+        ticks["idle"] += idle
+        # cpu user nice system idle iowait irq softirq steal guest guest_nice
+        stat.write_text(f"cpu  {ticks['busy']} 0 0 {ticks['idle']} 0 0 0 0 0 0\ncpu0 ...\n")
+
+    takes = _Takes(conn, 4, chunks=10)
+    try:
+        advance(0, 0)
+        claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+        assert deliverer.deliver([m.ref for m in claimed], takes).took == 0  # the pace learned
+        assert probe.share() is None  # the first look: the counters to compare with
+        advance(95, 5)  # 5% idle
+        claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+        assert deliverer.deliver([m.ref for m in claimed], takes).took == 0
+        advance(50, 50)
+        claimed = store.claim(conn, owner="w", batch=4, lease=LEASE, count_attempt=False)
+        assert deliverer.deliver([m.ref for m in claimed], takes).took > 0
+    finally:
+        deliverer.close()
+
+
+def test_the_idle_cpu_share_is_read_from_proc_stat_where_there_is_one(tmp_path: Any) -> None:
+    from outbox_relay.services.deliverer import _CpuIdle
+
+    probe = _CpuIdle()
+    probe.LOOK_SECONDS = 0.0
+    probe.PATH = str(tmp_path / "absent")
+    assert probe.share() is None  # not Linux: no opinion, nothing refused
+    probe.PATH = str(tmp_path / "stat")
+    (tmp_path / "stat").write_text("cpu  100 0 50 800 50 0 0 0 0 0\n")
+    assert probe.share() is None  # a first look has nothing to compare with
+    (tmp_path / "stat").write_text("cpu  160 0 70 900 70 0 0 0 0 0\n")
+    # 120 idle (idle + iowait) of 200 ticks.
+    assert probe.share() == pytest.approx(0.6)
 
 
 def test_a_soft_time_limit_mid_pipeline_finalizes_both_chunks(

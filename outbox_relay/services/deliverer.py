@@ -55,6 +55,8 @@ from .observer import Observer, lost_after_publish
 from .policy import RetryPolicy, classify
 
 __all__ = [
+    "BUSY_SHARE",
+    "IDLE_CPU_SHARE",
     "RAMP_SECONDS",
     "SLOW_PUBLISH_SECONDS",
     "Deliverer",
@@ -80,6 +82,20 @@ RAMP_SECONDS = 0.02
 # ``Follow``, the task then leases and publishes the next chunk while the
 # one under way waits (Deliverer._pipeline).
 SLOW_PUBLISH_SECONDS = 0.005
+# ... unless its publishes keep the interpreter busy: a chunk whose publishing
+# threads (or event loop) used at least this share of its wave in CPU (an
+# HTTP client's parsing, TLS) would only queue a second chunk behind the
+# first for the GIL. Seen with httpx to a 20 ms receiver: about 0.8 ms of
+# CPU a request, and two chunks in flight delivered a fifth less.
+BUSY_SHARE = 0.5
+# ... and while the machine's CPUs were idle at least this share of the time
+# since the delivery before: where they are all taken (the relay's
+# processes, the database, a receiver on the same host), a second chunk's
+# threads and the task's own database work only queue for the CPU and the
+# GIL. httpx to a 20 ms receiver on 2 CPUs so taken delivered a fifth less
+# with two chunks in flight, although each publish took 60 to 250 ms and
+# the interpreter looked idle most of the time.
+IDLE_CPU_SHARE = 0.2
 
 
 def threads_at_once(publish_seconds: float | None, rows: int, threads: int) -> int:
@@ -211,6 +227,10 @@ class _Run:
     taken: list[bool] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     results: list[_Result] = field(default_factory=list)
+    # The wave's start (perf_counter) and the CPU its publishing threads used
+    # (thread_time, summed under ``lock``): the interpreter's share (_learn).
+    started: float = 0.0
+    cpu: float = 0.0
 
 
 @dataclass
@@ -270,6 +290,42 @@ class _Attempt:
             self.span.end(self.outcome, self.error)
 
 
+class _CpuIdle:
+    """The share of the machine's CPU time that was idle since the last
+    look (Linux's /proc/stat; None where there is none): a second chunk in
+    flight only pays while the CPUs have time to spare for it."""
+
+    PATH = "/proc/stat"
+    # The counters move in ticks of 10 ms a CPU: a shorter look is noise.
+    LOOK_SECONDS = 0.2
+
+    def __init__(self) -> None:
+        self.last: tuple[int, int] | None = None
+        self.looked = 0.0
+        self.value: float | None = None
+
+    def share(self) -> float | None:
+        now = time.monotonic()
+        if now - self.looked < self.LOOK_SECONDS:
+            return self.value
+        self.looked = now
+        self.value = self._read()
+        return self.value
+
+    def _read(self) -> float | None:
+        try:
+            with open(self.PATH, encoding="ascii") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal (guest is in user).
+        idle, total = fields[3] + fields[4], sum(fields[:8])
+        last, self.last = self.last, (idle, total)
+        if last is None or total <= last[1]:
+            return None
+        return (idle - last[0]) / (total - last[1])
+
+
 class Deliverer:
     """Delivers leased messages: the step every delivery path shares.
 
@@ -321,6 +377,11 @@ class Deliverer:
         self.is_async = is_async_publisher(publisher)
         # How long a publish has taken lately (None: not known yet); see _publish_all.
         self._publish_seconds: float | None = None
+        # The share of a chunk's wave its publishes kept the interpreter busy
+        # (a moving average; None: not known yet).
+        self._busy_share: float | None = None
+        # The machine's idle CPU between deliveries (_waits_on_publisher).
+        self._cpu_idle = _CpuIdle()
 
     @property
     def publish_seconds(self) -> float | None:
@@ -328,6 +389,14 @@ class Deliverer:
         published with threads; None until one was): how many threads the
         next chunk starts with follows it (``threads_at_once``)."""
         return self._publish_seconds
+
+    @property
+    def busy_share(self) -> float | None:
+        """The share of a chunk's wave its publishes kept this process's
+        interpreter busy, lately (None until a chunk was published by
+        threads or coroutines): at BUSY_SHARE or more a second chunk in
+        flight would only wait for the GIL behind the first."""
+        return self._busy_share
 
     def worst_seconds(self, size: int) -> float:
         """The longest a chunk of ``size`` may publish: its waves x the publish timeout."""
@@ -357,6 +426,7 @@ class Deliverer:
             self._pipeline(ready, released, worst, report, follow)
             return report
         while True:
+            # The first round also writes ``released``, even with nothing ready.
             ready = self._round(ready, released, worst, report, follow)
             if not ready:
                 return report
@@ -365,15 +435,21 @@ class Deliverer:
 
     def _waits_on_publisher(self, ready: list[Began]) -> bool:
         """Whether a chunk spends most of its time waiting for the publisher
-        (slower than SLOW_PUBLISH_SECONDS) and a second one as large fits
-        beside it: several unordered rows, at most half of ``concurrency``.
+        (slower than SLOW_PUBLISH_SECONDS, the interpreter idle for more than
+        BUSY_SHARE of the wave) and a second one as large fits beside it:
+        several unordered rows, at most half of ``concurrency``.
         (An ordered chunk keeps its own follow: the next message of each
         aggregate, taken as the chunk's done commits.)"""
-        slow = self._publish_seconds is not None and self._publish_seconds >= SLOW_PUBLISH_SECONDS
-        return (
-            slow
-            and 1 < len(ready) <= self.concurrency // 2
-            and not any(row.claimed.ordered for row in ready)
+        pace = self._publish_seconds
+        if pace is None or pace < SLOW_PUBLISH_SECONDS:
+            return False
+        if self._busy_share is None or self._busy_share >= BUSY_SHARE:
+            return False
+        idle = self._cpu_idle.share()
+        if idle is not None and idle < IDLE_CPU_SHARE:
+            return False
+        return 1 < len(ready) <= self.concurrency // 2 and not any(
+            row.claimed.ordered for row in ready
         )
 
     def _pipeline(
@@ -634,8 +710,12 @@ class Deliverer:
 
         async def publish_all() -> None:
             gate = asyncio.Semaphore(self.concurrency)
+            run.started, cpu = time.perf_counter(), time.thread_time()
             await asyncio.gather(*(publish(i, gate) for i in range(len(rows))))
-            self._learn([slot[1] for slot in run.slots if slot is not None])
+            # The loop's thread runs every publish of the wave (and whatever
+            # else it runs meanwhile, counted as busy too).
+            run.cpu = time.thread_time() - cpu
+            self._learn([slot[1] for slot in run.slots if slot is not None], run)
 
         return asyncio.run_coroutine_threadsafe(publish_all(), publish_loop())
 
@@ -672,6 +752,7 @@ class Deliverer:
         all_taken = threading.Event()
 
         def take_rows() -> None:
+            cpu = time.thread_time()
             while True:
                 with run.lock:
                     # Nothing is taken once the task was interrupted: what
@@ -681,11 +762,14 @@ class Deliverer:
                         all_taken.set()
                     if index is not None:
                         run.taken[index] = True
+                    else:
+                        run.cpu += time.thread_time() - cpu
                 if index is None:
                     return
                 run.slots[index] = self._publish(rows[index], hold, run.stop)
 
         pool = self._pool()
+        run.started = time.perf_counter()
         threads = min(self.concurrency, len(rows))
         first = threads_at_once(self._publish_seconds, len(rows), threads) if ramp else threads
         run.futures = [pool.submit(take_rows) for _ in range(first)]
@@ -699,15 +783,21 @@ class Deliverer:
         for future in run.futures:
             future.result()
         run.results = [slot for slot in run.slots if slot is not None]
-        self._learn([seconds for _, seconds in run.results])
+        self._learn([seconds for _, seconds in run.results], run)
 
-    def _learn(self, seconds: Sequence[float]) -> None:
-        """Follow how long a publish takes (a moving average over chunks)."""
+    def _learn(self, seconds: Sequence[float], run: _Run) -> None:
+        """Follow how long a publish takes, and the share of a wave its
+        publishes kept the interpreter busy (moving averages over chunks)."""
         if not seconds:
             return
         mean = sum(seconds) / len(seconds)
         last = self._publish_seconds
         self._publish_seconds = mean if last is None else 0.8 * last + 0.2 * mean
+        wall = time.perf_counter() - run.started
+        if wall > 0:
+            share = min(1.0, run.cpu / wall)
+            busy = self._busy_share
+            self._busy_share = share if busy is None else 0.8 * busy + 0.2 * share
 
     def _collect_after(self, exc: BaseException, run: _Run) -> None:
         """After an interruption: keep what finished; what never started goes

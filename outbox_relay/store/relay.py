@@ -355,9 +355,19 @@ def take_chunk(
         "max_attempts": max_attempts,
         "now": now,
     }
-    with require_connection(conn).transaction():
-        conn.execute(q.claim_lock, {"key": f"{q.table.lock_key}:claim"})
-        rows = conn.execute(q.take_chunk, params).fetchall()
+    # In one round trip where the driver can (pipeline mode): the claim's
+    # lock is then held for the server's work alone. The caller's thread
+    # shares its interpreter with the chunk it is publishing; between round
+    # trips it may wait for the GIL, and every other claim and take of the
+    # table waited behind the lock it held meanwhile (takes of 96 ms, median,
+    # with httpx publishing on 2 busy CPUs).
+    idle = conn.info.transaction_status == TransactionStatus.IDLE
+    pipelined = psycopg.Pipeline.is_supported() and idle
+    with conn.pipeline() if pipelined else nullcontext():
+        with require_connection(conn).transaction():
+            conn.execute(q.claim_lock, {"key": f"{q.table.lock_key}:claim"})
+            cursor = conn.execute(q.take_chunk, params)
+        rows = cursor.fetchall()
     return sorted((_began(row) for row in rows), key=lambda b: b.claimed.id)
 
 
