@@ -440,17 +440,19 @@ class Deliverer:
         several unordered rows, at most half of ``concurrency``.
         (An ordered chunk keeps its own follow: the next message of each
         aggregate, taken as the chunk's done commits.)"""
+        if not 1 < len(ready) <= self.concurrency // 2:
+            return False
         pace = self._publish_seconds
         if pace is None or pace < SLOW_PUBLISH_SECONDS:
             return False
         if self._busy_share is None or self._busy_share >= BUSY_SHARE:
             return False
-        idle = self._cpu_idle.share()
-        if idle is not None and idle < IDLE_CPU_SHARE:
+        if any(row.claimed.ordered for row in ready):
             return False
-        return 1 < len(ready) <= self.concurrency // 2 and not any(
-            row.claimed.ordered for row in ready
-        )
+        # Last: the only look outside the process (/proc/stat, at most every
+        # LOOK_SECONDS).
+        idle = self._cpu_idle.share()
+        return idle is None or idle >= IDLE_CPU_SHARE
 
     def _pipeline(
         self,
@@ -489,15 +491,17 @@ class Deliverer:
                     if taken:
                         self._launch(lanes, taken, [], self.worst_seconds(len(taken)))
                 self._wait(lanes[0])
-                lane = lanes.pop(0)
-                lane.close()
-                self._finish(lane.rows, lane.run.results, lane.released, report)
+                self._land(lanes.pop(0), report)
         except Exception as exc:  # a soft time limit: finalize what each lane published
             for lane in lanes:
                 self._collect_after(exc, lane.run)
-                lane.close()
-                self._finish(lane.rows, lane.run.results, lane.released, report)
+                self._land(lane, report)
             raise
+
+    def _land(self, lane: _Lane, report: DeliveryReport) -> None:
+        """Finalize a lane whose publishes ended (or were collected)."""
+        lane.close()
+        self._finish(lane.rows, lane.run.results, lane.released, report)
 
     def _take(self, follow: Follow, limit: int) -> list[Began]:
         """The next chunk, or none if the database would not give one: the
@@ -529,8 +533,7 @@ class Deliverer:
     def _wait(self, lane: _Lane) -> None:
         """Wait for a lane's publishes (an interruption is raised here)."""
         if lane.pending is not None:
-            lane.pending.result()
-            lane.run.results = [slot for slot in lane.run.slots if slot is not None]
+            self._wait_async(lane.pending, lane.run)
         elif lane.rows:
             self._wait_threads(lane.run)
 
@@ -720,7 +723,10 @@ class Deliverer:
         return asyncio.run_coroutine_threadsafe(publish_all(), publish_loop())
 
     def _publish_all_async(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:
-        self._start_async(rows, hold, run).result()
+        self._wait_async(self._start_async(rows, hold, run), run)
+
+    def _wait_async(self, pending: Future[None], run: _Run) -> None:
+        pending.result()
         run.results = [slot for slot in run.slots if slot is not None]
 
     def _publish_all(self, rows: Sequence[Began], hold: Hold | None, run: _Run) -> None:

@@ -595,6 +595,15 @@ UPDATE {table} AS o
    AND o.status NOT IN ('processing', 'done', 'dead')
 RETURNING o.id;
 
+-- name: frag_live_leases
+-- Live leases, the backpressure measure (walks the leased index only):
+-- in_flight's, and counted inside take_chunk. Expired leases do not count:
+-- they hold nothing, and the rescuer frees them.
+SELECT count(*)
+  FROM {table}
+ WHERE status = 'processing'
+   AND lease_until >= coalesce(%(now)s::timestamptz, now())
+
 -- name: frag_take_lease
 -- A lease and a begin in one, on each row of the CTE "ready" (id,
 -- max_attempts), for a delivery task that publishes the rows at once (no
@@ -715,11 +724,7 @@ WITH walked AS (
        -- Pending, checked again on the row locked.
        AND o.status = 'pending'
      ORDER BY o.available_at, o.id
-     LIMIT greatest(0, least(%(batch)s::int, %(cap)s::int - (
-               SELECT count(*)::int
-                 FROM {table}
-                WHERE status = 'processing'
-                  AND lease_until >= coalesce(%(now)s::timestamptz, now()))))
+     LIMIT greatest(0, least(%(batch)s::int, %(cap)s::int - ({frag_live_leases})))
        FOR UPDATE OF o SKIP LOCKED
 ), changed AS ({frag_take_lease})
 {frag_take_rows};
@@ -767,12 +772,8 @@ RETURNING o.id,
           extract(epoch FROM o.lease_until - coalesce(%(now)s::timestamptz, now()))::float8;
 
 -- name: in_flight
--- Live leases, the backpressure measure (walks the leased index only).
--- Expired leases do not count: they hold nothing, and the rescuer frees them.
-SELECT count(*)
-  FROM {table}
- WHERE status = 'processing'
-   AND lease_until >= coalesce(%(now)s::timestamptz, now());
+-- Live leases, the backpressure measure (frag_live_leases).
+{frag_live_leases};
 
 -- name: next_due
 -- Seconds until the first pending row that is not due yet falls due (a
