@@ -33,13 +33,20 @@ _lock = threading.Lock()
 _pending: list[str] = []
 _started: dict[str, float] = {}
 _installed_pid: int | None = None
+# A task run inside another (a durable task's run that follows, running the
+# rows it took) is part of the outer span: only the outermost counts.
+_depth = threading.local()
 
 
 def _on_prerun(task_id: str | None = None, **_: Any) -> None:
-    _started[task_id or ""] = time.time()
+    depth = getattr(_depth, "n", 0)
+    _depth.n = depth + 1
+    if depth == 0:
+        _started[task_id or ""] = time.time()
 
 
 def _on_postrun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    _depth.n = max(0, getattr(_depth, "n", 1) - 1)
     start = _started.pop(task_id or "", None)
     if start is None:
         return

@@ -28,10 +28,22 @@ import pytest
 from celery import Celery, chain
 
 import outbox_relay
+from outbox_relay import store
 from outbox_relay.celery import DurableTask, write_durable
+from outbox_relay.celery.durable import plain_options
 from outbox_relay.errors import ConfigError, InvalidMessage, OutboxError
 from tests.apps import durable_app
-from tests.apps.durable_app import boom, effect, exhaust, first, flaky, plain, poison, second
+from tests.apps.durable_app import (
+    boom,
+    effect,
+    exhaust,
+    first,
+    flaky,
+    plain,
+    poison,
+    second,
+    timed,
+)
 
 from . import services
 from .celery_procs import CeleryProcs, Proc, wait_for
@@ -676,6 +688,162 @@ def test_a_chain_on_the_relays_own_grants_ends_dead_naming_the_grant(
         with psycopg.connect(app_dsn, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
             admin.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+# -------------------------------------------------------------- following
+def _take_effect(conn: psycopg.Connection[Any]) -> int | None:
+    began = store.take_durable(
+        conn,
+        task="durable.effect",
+        owner="w",
+        lease=timedelta(seconds=durable_app.LEASE),
+        options=plain_options(effect),
+        max_attempts=12,
+    )
+    if began is None:
+        return None
+    assert began.started and began.lease_left_seconds > durable_app.LEASE - 1
+    assert began.claimed.payload["task"] == "durable.effect"  # the whole payload, to run it
+    return int(began.claimed.id)
+
+
+def test_a_take_leases_and_begins_only_the_tasks_next_plain_row(dsn, conn) -> None:
+    """What a finished run may take to run next in its process: a due row of
+    its own task, sent as a plain call would be, in the claim's order."""
+    ids = {}
+    for key, sig, options in [
+        ("other-task", flaky.s("x", 0), {}),
+        ("routed", effect.s("r"), {"queue": "elsewhere"}),
+        ("later", effect.s("l"), {"countdown": 60}),
+        ("interrupted", effect.s("i"), {}),
+        ("plain-1", effect.s("p1"), {}),
+        ("plain-2", effect.s("p2"), {}),
+    ]:
+        _write(dsn, sig, **options)
+        ids[key] = conn.execute("SELECT max(id) FROM outbox").fetchone()[0]
+    # A run began under the row's last lease and never finished: it is
+    # delivered alone, as the claim would.
+    conn.execute(
+        "UPDATE outbox SET lease_version = 1, began_version = 1 WHERE id = %s",
+        (ids["interrupted"],),
+    )
+    assert _take_effect(conn) == ids["plain-1"]
+    assert _take_effect(conn) == ids["plain-2"]
+    assert _take_effect(conn) is None
+    rows = {
+        r[0]: tuple(r[1:])
+        for r in conn.execute(
+            "SELECT id, status, attempts, lease_version, began_version IS NOT DISTINCT FROM"
+            " lease_version FROM outbox"
+        ).fetchall()
+    }
+    assert rows[ids["plain-1"]] == ("processing", 1, 1, True)  # leased, counted, begun
+    for key in ("other-task", "routed", "later"):
+        assert rows[ids[key]] == ("pending", 0, 0, False), key
+    # A row out of attempts goes dead, as a claim would send it; none is returned.
+    _write(dsn, effect.s("spent"))
+    conn.execute("UPDATE outbox SET attempts = 4 WHERE payload->'args' = '[\"spent\"]'")
+    assert _take_effect(conn) is None
+    [(status, error)] = conn.execute(
+        "SELECT status, last_error FROM outbox WHERE payload->'args' = '[\"spent\"]'"
+    ).fetchall()
+    assert status == "dead" and "retries exhausted" in error
+
+
+def _received(worker: Proc, task_id: str) -> bool:
+    """Whether the worker's main process received a message for the task (its log line)."""
+    return f"[{task_id}] received" in worker.text()
+
+
+def test_a_run_goes_on_with_its_tasks_next_rows_as_the_worker_would(setup) -> None:
+    """A finished run takes its task's next due row with its done and runs it
+    in its process: each once, under its own task id, attempt counted, with
+    the events Flower reads, and without a message of its own."""
+    s = setup()
+    one_at_a_time = {
+        "OUTBOX_CLAIM_INTERVAL_SECONDS": "60",
+        "OUTBOX_BATCH_SIZE": "1",
+        "OUTBOX_MAX_IN_FLIGHT": "1",
+    }
+    s.procs.beat(env=one_at_a_time)
+    worker = s.worker(concurrency=1, events=True, **one_at_a_time)
+    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    with EventTap(_client(s.broker)) as tap:
+        with psycopg.connect(s.dsn) as conn, conn.transaction():
+            results = {
+                f"f-{i}": write_durable(conn, None, effect.s(f"f-{i}"), {}) for i in range(30)
+            }
+        ids = [r.id for r in results.values()]
+        wait_for(lambda: _all_done(s.dsn, ids), timeout=60, what=lambda: f"all done\n{s.logs()}")
+        wait_for(
+            lambda: {e["uuid"] for e in tap.of_type("task-succeeded")} >= set(ids),
+            timeout=30,
+            what=lambda: f"a task-succeeded event for each\n{tap.events[-5:]}",
+        )
+    _assert_once_each(s.dsn, results)  # each body once, under its own task id
+    assert all(_row(s.dsn, t)["attempts"] == 1 for t in ids)
+    assert any(_received(worker, t) for t in ids)  # the log line looked for
+    inline = [t for t in ids if not _received(worker, t)]
+    assert inline, f"every row came by its own message\n{worker.text()[-3000:]}"
+    for t in inline:
+        row = _row(s.dsn, t)
+        [received] = [e for e in tap.of_type("task-received") if e["uuid"] == t]
+        assert received["name"] == "durable.effect"
+        assert received["args"] == f"(outbox #{row['id']} v{row['lease_version']})"
+        assert any(e["uuid"] == t for e in tap.of_type("task-started")), [
+            e for e in tap.events if e.get("uuid") == t
+        ]
+    assert "Traceback" not in worker.text()
+
+
+def test_a_worker_killed_in_a_row_it_took_loses_no_task_and_counts_the_attempt(setup) -> None:
+    """A row taken with the done before it was begun in that commit: a worker
+    killed in its body counts that attempt, and the row runs again, once."""
+    s = setup()
+    one_at_a_time = {
+        "OUTBOX_CLAIM_INTERVAL_SECONDS": "2",
+        "OUTBOX_BATCH_SIZE": "1",
+        "OUTBOX_MAX_IN_FLIGHT": "1",
+    }
+    s.procs.beat(env=one_at_a_time)
+    w1 = s.worker(concurrency=1, **one_at_a_time)
+    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {
+            f"k-{i}": write_durable(conn, None, effect.s(f"k-{i}", sleep=60 if i == 4 else 0), {})
+            for i in range(8)
+        }
+    slow = results["k-4"].id
+    wait_for(lambda: _runs(s.dsn, "k-4"), timeout=60, what=lambda: f"k-4 runs\n{s.logs()}")
+    assert not _received(w1, slow), "k-4 came by its own message"
+    w1.kill(signal.SIGKILL)  # the worker and its pool, in the body of a row it took
+    w1.popen.wait(10)
+    s.worker(concurrency=1, **one_at_a_time)
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=120, what=lambda: f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    assert len(_runs(s.dsn, "k-4")) == 2
+    assert _row(s.dsn, slow)["attempts"] == 2  # the killed run counted
+
+
+def test_a_timed_task_or_a_routed_row_runs_from_its_own_message(setup) -> None:
+    """Not taken to run after another: a task with a time limit (it counts
+    from the message, and a row run after it would have less) and a row
+    sent to a queue of its own."""
+    s = setup()
+    s.beat()
+    custom = f"dc-{uuid.uuid4().hex[:8]}"
+    worker = s.worker(s.relay_queue, s.queue, custom, concurrency=1)
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {f"t-{i}": write_durable(conn, None, timed.s(f"t-{i}"), {}) for i in range(8)}
+        results |= {
+            f"q-{i}": write_durable(conn, None, effect.s(f"q-{i}"), {"queue": custom})
+            for i in range(8)
+        }
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=lambda: f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    assert all(_received(worker, t) for t in ids), worker.text()[-3000:]
 
 
 # ------------------------------------------------------------------- docs

@@ -110,6 +110,7 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
     reject_on_worker_lost = False
     outbox_lease_seconds: float | None = None
     outbox_max_run_seconds: float = 3600.0
+    outbox_follow: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Celery makes one subclass per task (type(name, (base,), options)):
@@ -283,6 +284,16 @@ def _send_options(task: Any, name: str, options: Mapping[str, Any]) -> dict[str,
         kept[key] = getattr(value, "name", value)
     _json(f"task {name}: options", kept)
     return kept
+
+
+def plain_options(task: Any) -> dict[str, Any]:
+    """The send options stored on a row of a plain call of ``task`` (its
+    class's own: queue, priority, time limits), worked out once per task."""
+    cached = task.__dict__.get("_outbox_plain_options")
+    if cached is None:
+        cached = _send_options(task, task.name, {})
+        task.__dict__["_outbox_plain_options"] = cached
+    return cached  # type: ignore[no-any-return]
 
 
 def _row_headers(task: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..services.keeper import renewal_period
 from ..services.policy import RetryPolicy, classify_task
 from . import names
-from .durable import HEADER_ID, HEADER_LEASE_VERSION, write_step
+from .durable import HEADER_ID, HEADER_LEASE_VERSION, plain_options, write_step
 from .events import Observers
 from .identity import origin_headers
 from .options import annotations_for, retry_policy
@@ -50,6 +50,28 @@ T = TypeVar("T")
 _RUNS_LOCK = threading.Lock()
 
 _local = threading.local()
+
+# A run that ends well takes the next due row of its task in the transaction
+# of its done, and its process runs that row at once, as the worker would
+# have run its message: for up to FOLLOW_SECONDS from the start of the
+# message that began it ("following", docs/durable.md). Each row so run
+# saves its send, its trip through the broker and the worker's main
+# process, its claim and its own begin.
+FOLLOW_SECONDS = 0.5
+
+
+@dataclass
+class _Following:
+    """The rows one message's pool slot runs after its own (thread-local)."""
+
+    until: float
+    # What every row's request takes from the message's (the worker's host
+    # name, the queue it came from).
+    request: dict[str, Any]
+    # The next row, taken with the last done; the row running now.
+    taken: store.Began | None = None
+    running: store.Began | None = None
+
 
 # The task attributes Celery's autoretry reads; here they become the policy.
 _RETRY_OPTIONS = (
@@ -263,12 +285,167 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     settings = inst.settings
     lease = float(task.outbox_lease_seconds or settings.lease_seconds)
     max_run = _max_run(task)
-    with _session(services, inst) as conn:
-        if not settings.transaction_pooling:
-            # Through a pooler in transaction mode a session setting would
-            # outlive the run in a server session other clients use.
-            _bound(conn, max_run + lease)
-        return _tracked(task, inst, _Run(conn, services), ref, lease, max_run, body, args, kwargs)
+    following: _Following | None = getattr(_local, "following", None)
+    outer = following is None
+    if outer:
+        following = _may_follow(task)
+        _local.following = following
+    try:
+        with _session(services, inst) as conn:
+            if not settings.transaction_pooling:
+                # Through a pooler in transaction mode a session setting would
+                # outlive the run in a server session other clients use.
+                _bound(conn, max_run + lease)
+            current = _Run(conn, services)
+            result = _tracked(
+                task, inst, current, ref, lease, max_run, body, args, kwargs, following
+            )
+        if outer and following is not None:
+            _follow(task, following)
+        return result
+    finally:
+        if outer:
+            _local.following = None
+            if following is not None and following.taken is not None:
+                _give_back(inst, following.taken, "its run was not started")
+
+
+def _may_follow(task: Any) -> _Following | None:
+    """Whether this message's run may take and run its task's next rows.
+
+    Not for a task the worker meters (``rate_limit``) or times (a time
+    limit counts from the message, and a row run after it would have less),
+    nor for a call that did not come from a worker's queue."""
+    if not getattr(task, "outbox_follow", True) or task.rate_limit:
+        return None
+    conf = task.app.conf
+    request = task.request
+    if (
+        task.time_limit
+        or task.soft_time_limit
+        or conf.get("task_time_limit")
+        or conf.get("task_soft_time_limit")
+        or any(getattr(request, "timelimit", None) or ())
+        or getattr(request, "is_eager", False)
+        or not getattr(request, "delivery_info", None)
+    ):
+        return None
+    template = {
+        "hostname": request.hostname,
+        "delivery_info": {**request.delivery_info, "redelivered": False},
+        "is_eager": False,
+    }
+    return _Following(time.monotonic() + FOLLOW_SECONDS, template)
+
+
+def _follow(task: Any, following: _Following) -> None:
+    """Run the rows taken with each done, one after another, as the worker
+    runs a message: through the task's tracer (its signals, its result and
+    state in the result backend, its log lines), with the task events the
+    worker's main process would have sent for it when it sends them (-E)."""
+    inst = _installation(task)
+    tracer = task.__trace__ or task.__dict__.get("_outbox_tracer")
+    if tracer is None:
+        from celery.app.trace import build_tracer
+
+        hostname = following.request["hostname"]
+        tracer = build_tracer(task.name, task, app=task.app, hostname=hostname)
+        task.__dict__["_outbox_tracer"] = tracer
+    with ExitStack() as stack:
+        events: Any = None
+        if inst.task_events:
+            dispatcher = task.app.events.default_dispatcher(hostname=following.request["hostname"])
+            events = stack.enter_context(dispatcher)
+        while following.taken is not None:
+            began, following.taken = following.taken, None
+            request = _request_for(task, following, began)
+            if request is None:
+                _give_back(inst, began, "not a durable task row this worker can read")
+                continue
+            following.running = began
+            try:
+                _event(events, "task-received", request, name=task.name, retries=0)
+                _event(events, "task-started", request)
+                traced = tracer(request["id"], request["args"], request["kwargs"], request)
+            except Exception:
+                # Celery's tracer reports a body's failure itself; this is its
+                # own (a result backend down). The row's lease decides.
+                log.exception("running %s[%s] after another: stopped", task.name, request["id"])
+                return
+            finally:
+                following.running = None
+            _traced_event(events, request, traced)
+
+
+def _request_for(task: Any, following: _Following, began: store.Began) -> dict[str, Any] | None:
+    """The request a worker would have built for the row's message, as the
+    relay sends it (durable_send: its task id, arguments and lease headers)."""
+    payload = began.claimed.payload if isinstance(began.claimed.payload, dict) else {}
+    try:
+        task_id = str(payload["id"])
+        args = list(payload.get("args") or [])
+        kwargs = dict(payload.get("kwargs") or {})
+    except (KeyError, TypeError, ValueError):
+        return None
+    ref = began.claimed.ref
+    lease = {HEADER_ID: ref.id, HEADER_LEASE_VERSION: ref.lease_version}
+    return {
+        **following.request,
+        **lease,
+        "id": task_id,
+        "task": task.name,
+        "root_id": task_id,
+        "parent_id": None,
+        "correlation_id": task_id,
+        "headers": lease,
+        "timelimit": [None, None],
+        "retries": 0,
+        "argsrepr": f"(outbox #{ref.id} v{ref.lease_version})",
+        "kwargsrepr": "{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}" if kwargs else "{}",
+        "args": args,
+        "kwargs": kwargs,
+    }
+
+
+def _event(events: Any, kind: str, request: dict[str, Any], **fields: Any) -> None:
+    if events is None:
+        return
+    if kind == "task-received":
+        fields.update(
+            args=request["argsrepr"],
+            kwargs=request["kwargsrepr"],
+            root_id=request["root_id"],
+            parent_id=request["parent_id"],
+        )
+    try:
+        events.send(kind, uuid=request["id"], **fields)
+    except Exception:  # monitoring never fails a run
+        log.debug("could not send task event %s", kind, exc_info=True)
+
+
+def _traced_event(events: Any, request: dict[str, Any], traced: Any) -> None:
+    """The worker's event for how a run ended, from the tracer's answer."""
+    if events is None:
+        return
+    _, info, runtime, result_repr = traced
+    if info is None:
+        _event(events, "task-succeeded", request, result=result_repr, runtime=runtime)
+    elif info.state == "RETRY":  # rescheduled in the database; Retry wraps the cause
+        exc = getattr(info.retval, "exc", None) or info.retval
+        _event(events, "task-retried", request, exception=repr(exc), traceback="")
+    else:
+        _event(events, "task-failed", request, exception=repr(info.retval), traceback="")
+
+
+def _give_back(inst: Installation, began: store.Began, reason: str) -> None:
+    """A row taken to follow and never started: due again at once, its attempt refunded."""
+    outcome = Outcome.release(began.claimed, reason=reason, refund_attempt=True)
+    try:
+        inst.services().db.run(
+            lambda conn: store.finalize(conn, [outcome], table=inst.settings.outbox_table)
+        )
+    except Exception:  # its lease lapses; the rescuer frees it
+        log.warning("could not give back outbox #%s", began.claimed.id, exc_info=True)
 
 
 def _tracked(
@@ -281,15 +458,24 @@ def _tracked(
     body: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    following: _Following | None,
 ) -> Any:
     table = inst.settings.outbox_table
     needed = timedelta(seconds=begin_margin(lease))
     observers = Observers(list(inst.observers))
-    began = current.write(
-        lambda conn: store.begin(
-            conn, [ref], needed=needed, count_attempt=True, chain_only=True, table=table
-        )
-    ).get(ref.id)
+    began: store.Began | None
+    if (
+        following is not None
+        and following.running is not None
+        and (following.running.claimed.ref == ref)
+    ):
+        began = following.running  # taken and begun with the done before it
+    else:
+        began = current.write(
+            lambda conn: store.begin(
+                conn, [ref], needed=needed, count_attempt=True, chain_only=True, table=table
+            )
+        ).get(ref.id)
     if began is None:  # begin's statement is fenced on ref's lease version
         log.info(
             "skipping %s[%s]: outbox #%s v%s is no longer processing under this lease",
@@ -315,7 +501,9 @@ def _tracked(
         with keeper.hold([(ref, began.lease_left_seconds)], max_hold=max_run):
             try:
                 result = body(*args, **kwargs)
-                return _succeeded(task, inst, current, claimed, result, observers, began)
+                return _succeeded(
+                    task, inst, current, claimed, result, observers, began, lease, following
+                )
             except Exception as exc:
                 current.rollback()
                 _failed(task, inst, current, claimed, exc, observers, began.age_seconds)
@@ -333,8 +521,12 @@ def _succeeded(
     result: Any,
     observers: Observers,
     began: store.Began,
+    lease: float,
+    following: _Following | None,
 ) -> Any:
     table = inst.settings.outbox_table
+    if following is not None and time.monotonic() >= following.until:
+        following = None
     chain = list((claimed.payload or {}).get("chain") or [])
     outcome = Outcome.done(claimed)
 
@@ -361,12 +553,27 @@ def _succeeded(
                 ) from None
         return True
 
-    if chain:
-        current.connection()  # the successor commits with this row's done
+    if chain or following is not None:
+        # The successor (a chain's next step, the task's next row taken to
+        # follow) commits with this row's done.
+        current.connection()
+    taken: store.Began | None = None
     if current.in_transaction:
         done = finish(current.conn, False)
+        if done and following is not None:
+            taken = store.take_durable(
+                current.conn,
+                task=task.name,
+                owner=current.services.claimer.owner(),
+                lease=timedelta(seconds=lease),
+                options=plain_options(task),
+                max_attempts=inst.settings.max_attempts,
+                table=table,
+            )
         if done:
             current.commit()
+            if following is not None:
+                following.taken = taken
         else:
             current.rollback()
     else:

@@ -274,6 +274,9 @@ class Installation:
         # next claim by what the worker prefetches (``prefetched``).
         self.concurrency = 0
         self.prefetch_multiplier = 0
+        # Whether this worker sends task events (-E): a durable task's run
+        # that follows sends them for the rows it runs (durable_run._follow).
+        self.task_events = False
         # celery/identity.py: read at start (check_database) or at first
         # use; "" when the table has no record to read it from.
         self._identity: str | None = None

@@ -302,6 +302,15 @@ CASE WHEN o.attempts >= ready.max_attempts
           || ready.max_attempts || coalesce('; last: ' || o.last_error, ''), 2000)
      ELSE o.last_error END
 
+-- name: frag_row_lease
+-- The lease a row o is given (claim and take alike): a durable Celery task's
+-- row carries its own (queue wait + body time, the task's
+-- outbox_lease_seconds, written by its producer in headers); every other
+-- row gets the relay's %(lease)s.
+CASE WHEN o.event_type = 'celery.durable' AND o.headers ? 'lease_seconds'
+     THEN make_interval(secs => (o.headers->>'lease_seconds')::float8)
+     ELSE %(lease)s::interval END
+
 -- name: frag_claim_lease
 -- The lease a claim writes on each row of its CTE "ready" (id, max_attempts):
 -- the body of claim's and claim_parking's CTE "changed".
@@ -310,15 +319,8 @@ UPDATE {table} AS o
                             ELSE 'processing' END,
        lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
                             ELSE %(owner)s END,
-       -- A durable Celery task's row carries its own lease (queue wait +
-       -- body time, the task's outbox_lease_seconds, written by its
-       -- producer in headers); every other row gets the relay's.
        lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
-                            ELSE coalesce(%(now)s::timestamptz, now()) + CASE
-                                WHEN o.event_type = 'celery.durable'
-                                 AND o.headers ? 'lease_seconds'
-                                THEN make_interval(secs => (o.headers->>'lease_seconds')::float8)
-                                ELSE %(lease)s::interval END
+                            ELSE coalesce(%(now)s::timestamptz, now()) + {frag_row_lease}
                        END,
        lease_version = o.lease_version + 1,
        attempts      = CASE WHEN o.attempts >= ready.max_attempts THEN o.attempts
@@ -617,7 +619,7 @@ UPDATE {table} AS o
        lease_owner   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
                             ELSE %(owner)s END,
        lease_until   = CASE WHEN o.attempts >= ready.max_attempts THEN NULL
-                            ELSE coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+                            ELSE coalesce(%(now)s::timestamptz, now()) + {frag_row_lease}
                        END,
        -- A parked row taken as it is leaves the parked band (the
        -- time it waited from, as promote would have made it due).
@@ -725,6 +727,54 @@ WITH walked AS (
        AND o.status = 'pending'
      ORDER BY o.available_at, o.id
      LIMIT greatest(0, least(%(batch)s::int, %(cap)s::int - ({frag_live_leases})))
+       FOR UPDATE OF o SKIP LOCKED
+), changed AS ({frag_take_lease})
+{frag_take_rows};
+
+-- name: take_durable
+-- Lease and begin the next due row of the durable Celery task %(task)s, in
+-- the transaction of the done of the run before it, for that run's pool
+-- process to run at once (celery/durable_run.py, "Following"): a claim, the
+-- task's send and its begin in one statement. Done and take commit together,
+-- so the live leases never drop and rise between them: no claim's lock and
+-- no count of the cap are needed (one lease ends as one begins).
+--
+-- Only a row the worker would run as this task's next message: a tracked
+-- row of this task (by its aggregate, celery.task/<name>), with the send
+-- options of a plain call %(options)s (a per-call queue, priority or time
+-- limit: its message would go elsewhere or carry more), not ordered, and
+-- not interrupted (delivered alone). Its lease is its own, as a claim gives
+-- it (frag_row_lease).
+-- Walked unlocked and bounded: of the first 16 due rows in the claim's
+-- order, the first such row in id order that no one holds; a backlog of
+-- other rows costs the take no more. A row out of attempts goes dead, as a
+-- claim would send it, and is not returned.
+WITH walked AS (
+    SELECT o.id
+      FROM (SELECT o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.ordered,
+                   o.began_version, o.lease_version, o.headers
+              FROM {table} AS o
+             WHERE o.status = 'pending'
+               AND o.available_at <= coalesce(%(now)s::timestamptz, now())
+             ORDER BY o.available_at, o.id
+             LIMIT 16) AS o
+     WHERE o.event_type = 'celery.durable'
+       AND o.aggregate_type = 'celery.task'
+       AND o.aggregate_id = %(task)s
+       AND NOT o.ordered
+       AND o.began_version IS DISTINCT FROM o.lease_version
+), ready AS (
+    -- In id order, the primary key's: the scan stops at the first row that
+    -- passes and is not locked, and the payload (a row's largest column) is
+    -- read for the rows it passes over and that one alone.
+    SELECT o.id, {frag_max_attempts} AS max_attempts
+      FROM {table} AS o
+     WHERE o.id = ANY(ARRAY(SELECT id FROM walked))
+       -- Pending, checked again on the row locked.
+       AND o.status = 'pending'
+       AND o.payload->'options' = %(options)s::jsonb
+     ORDER BY o.id
+     LIMIT 1
        FOR UPDATE OF o SKIP LOCKED
 ), changed AS ({frag_take_lease})
 {frag_take_rows};

@@ -40,6 +40,7 @@ from .relay import (
     reschedule,
     rescue,
     take_chunk,
+    take_durable,
     take_next,
 )
 from .schema import (
@@ -91,5 +92,6 @@ __all__ = [
     "stats",
     "table_exists",
     "take_chunk",
+    "take_durable",
     "take_next",
 ]

@@ -6,7 +6,7 @@ means "my lease was lost": the row was rescued, re-claimed or finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from psycopg.types.json import Jsonb
 
 from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, duration, queries, require_connection, statement_tx
@@ -40,6 +41,7 @@ __all__ = [
     "reschedule",
     "rescue",
     "take_chunk",
+    "take_durable",
     "take_next",
 ]
 
@@ -321,6 +323,36 @@ def take_next(
                 return []
         rows = conn.execute(q.take_next, params).fetchall()
     return sorted((_began(row) for row in rows), key=lambda b: b.claimed.id)
+
+
+def take_durable(
+    conn: psycopg.Connection[Any],
+    *,
+    task: str,
+    owner: str,
+    lease: timedelta,
+    options: Mapping[str, Any],
+    max_attempts: int,
+    table: TableLike = None,
+    now: datetime | None = None,
+) -> Began | None:
+    """Lease and begin the next due row of durable task ``task`` for the
+    caller's process to run at once, in the caller's transaction (the done of
+    the run before it: one lease ends as the next begins), leased as a claim
+    leases it (``lease`` unless the row carries its own). ``options``: the
+    send options of a plain call of the task, which the row must have
+    (``durable.plain_options``). None when none of the first due rows, in
+    the claim's order, is this task's."""
+    params: dict[str, Any] = {
+        "task": task,
+        "owner": owner,
+        "lease": lease,
+        "options": Jsonb(dict(options)),
+        "max_attempts": max_attempts,
+        "now": now,
+    }
+    row = conn.execute(queries(table).take_durable, params).fetchone()
+    return None if row is None else _began(row)
 
 
 def take_chunk(

@@ -124,6 +124,14 @@ def boom(self: Any, key: str) -> None:
     raise ValueError(f"{key} is broken (test)")
 
 
+@app.task(name="durable.timed", soft_time_limit=60, **_DURABLE)
+def timed(self: Any, key: str) -> str:
+    """``effect`` with a soft time limit: each run comes from its own message."""
+    _runs(key)
+    _effect(self, key)
+    return key
+
+
 @app.task(name="durable.poison", max_retries=1, **_DURABLE)
 def poison(self: Any, key: str) -> None:
     """Kills the pool process running it, every time (an OOM kill, say)."""
