@@ -32,6 +32,7 @@ from outbox_relay import store
 from outbox_relay.celery import DurableTask, write_durable
 from outbox_relay.celery.durable import plain_options
 from outbox_relay.errors import ConfigError, InvalidMessage, OutboxError
+from outbox_relay.model import LeaseRef
 from tests.apps import durable_app
 from tests.apps.durable_app import (
     boom,
@@ -691,25 +692,32 @@ def test_a_chain_on_the_relays_own_grants_ends_dead_naming_the_grant(
 
 
 # -------------------------------------------------------------- following
-def _take_effect(conn: psycopg.Connection[Any]) -> int | None:
-    began = store.take_durable(
+def _done_and_take(conn: psycopg.Connection[Any], ref: LeaseRef) -> tuple[bool, LeaseRef | None]:
+    done, began = store.done_and_take_durable(
         conn,
+        ref,
         task="durable.effect",
         owner="w",
-        lease=timedelta(seconds=durable_app.LEASE),
+        lease=timedelta(seconds=30),
         options=plain_options(effect),
         max_attempts=12,
     )
     if began is None:
-        return None
-    assert began.started and began.lease_left_seconds > durable_app.LEASE - 1
-    assert began.claimed.payload["task"] == "durable.effect"  # the whole payload, to run it
-    return int(began.claimed.id)
+        return done, None
+    # Leased as a claim leases it (the task's own lease), begun, with the
+    # whole payload (the run reads its arguments from it).
+    assert began.started and durable_app.LEASE - 1 < began.lease_left_seconds <= durable_app.LEASE
+    assert began.claimed.payload["task"] == "durable.effect"
+    return done, began.claimed.ref
 
 
-def test_a_take_leases_and_begins_only_the_tasks_next_plain_row(dsn, conn) -> None:
-    """What a finished run may take to run next in its process: a due row of
-    its own task, sent as a plain call would be, in the claim's order."""
+def test_a_done_takes_only_its_tasks_next_plain_row(dsn, conn) -> None:
+    """What a finished run may take to run next in its process, with its
+    done: a due row of its own task, sent as a plain call would be."""
+    _write(dsn, effect.s("previous"))
+    [claimed] = store.claim_batch(
+        conn, owner="w", batch=1, lease=timedelta(seconds=30), content=False
+    ).claimed
     ids = {}
     for key, sig, options in [
         ("other-task", flaky.s("x", 0), {}),
@@ -727,9 +735,13 @@ def test_a_take_leases_and_begins_only_the_tasks_next_plain_row(dsn, conn) -> No
         "UPDATE outbox SET lease_version = 1, began_version = 1 WHERE id = %s",
         (ids["interrupted"],),
     )
-    assert _take_effect(conn) == ids["plain-1"]
-    assert _take_effect(conn) == ids["plain-2"]
-    assert _take_effect(conn) is None
+    # A stale run (another lease version) writes nothing and takes nothing.
+    assert _done_and_take(conn, LeaseRef(claimed.id, claimed.lease_version + 1)) == (False, None)
+    done, first = _done_and_take(conn, claimed.ref)
+    assert done and first == LeaseRef(ids["plain-1"], 1)
+    done, second = _done_and_take(conn, first)
+    assert done and second == LeaseRef(ids["plain-2"], 1)
+    assert _done_and_take(conn, second) == (True, None)
     rows = {
         r[0]: tuple(r[1:])
         for r in conn.execute(
@@ -737,13 +749,19 @@ def test_a_take_leases_and_begins_only_the_tasks_next_plain_row(dsn, conn) -> No
             " lease_version FROM outbox"
         ).fetchall()
     }
-    assert rows[ids["plain-1"]] == ("processing", 1, 1, True)  # leased, counted, begun
+    assert rows[claimed.id][0] == "done"
+    assert rows[ids["plain-1"]] == ("done", 1, 1, True)  # leased, counted, begun, done
     for key in ("other-task", "routed", "later"):
         assert rows[ids[key]] == ("pending", 0, 0, False), key
-    # A row out of attempts goes dead, as a claim would send it; none is returned.
+    assert rows[ids["interrupted"]][0] == "pending"
+    # A row out of attempts goes dead, as a claim would send it; none is taken.
     _write(dsn, effect.s("spent"))
     conn.execute("UPDATE outbox SET attempts = 4 WHERE payload->'args' = '[\"spent\"]'")
-    assert _take_effect(conn) is None
+    _write(dsn, effect.s("last"))
+    [last] = store.claim_batch(
+        conn, owner="w", batch=1, lease=timedelta(seconds=30), content=False
+    ).claimed
+    assert _done_and_take(conn, last.ref) == (True, None)
     [(status, error)] = conn.execute(
         "SELECT status, last_error FROM outbox WHERE payload->'args' = '[\"spent\"]'"
     ).fetchall()

@@ -286,12 +286,13 @@ def _send_options(task: Any, name: str, options: Mapping[str, Any]) -> dict[str,
     return kept
 
 
-def plain_options(task: Any) -> dict[str, Any]:
+def plain_options(task: Any) -> str:
     """The send options stored on a row of a plain call of ``task`` (its
-    class's own: queue, priority, time limits), worked out once per task."""
+    class's own: queue, priority, time limits), as JSON; worked out once
+    per task."""
     cached = task.__dict__.get("_outbox_plain_options")
     if cached is None:
-        cached = _send_options(task, task.name, {})
+        cached = json.dumps(_send_options(task, task.name, {}))
         task.__dict__["_outbox_plain_options"] = cached
     return cached  # type: ignore[no-any-return]
 

@@ -529,10 +529,26 @@ def _succeeded(
         following = None
     chain = list((claimed.payload or {}).get("chain") or [])
     outcome = Outcome.done(claimed)
+    taken: store.Began | None = None
 
     def finish(conn: psycopg.Connection[Any], savepoint: bool) -> bool:
-        # The effect transaction commits or rolls back whole: no savepoint.
-        if claimed.id not in store.finalize(conn, [outcome], table=table, savepoint=savepoint):
+        nonlocal taken
+        if following is not None:
+            # The done and the take of the task's next row, in one statement.
+            done, taken = store.done_and_take_durable(
+                conn,
+                claimed.ref,
+                task=task.name,
+                owner=current.services.claimer.owner(),
+                lease=timedelta(seconds=lease),
+                options=plain_options(task),
+                max_attempts=inst.settings.max_attempts,
+                table=table,
+            )
+        else:
+            # The effect transaction commits or rolls back whole: no savepoint.
+            done = claimed.id in store.finalize(conn, [outcome], table=table, savepoint=savepoint)
+        if not done:
             return False
         if chain:
             step = dict(chain[0])
@@ -557,19 +573,8 @@ def _succeeded(
         # The successor (a chain's next step, the task's next row taken to
         # follow) commits with this row's done.
         current.connection()
-    taken: store.Began | None = None
     if current.in_transaction:
         done = finish(current.conn, False)
-        if done and following is not None:
-            taken = store.take_durable(
-                current.conn,
-                task=task.name,
-                owner=current.services.claimer.owner(),
-                lease=timedelta(seconds=lease),
-                options=plain_options(task),
-                max_attempts=inst.settings.max_attempts,
-                table=table,
-            )
         if done:
             current.commit()
             if following is not None:

@@ -559,9 +559,10 @@ SELECT o.id
     ON o.id = v.id AND o.lease_version = v.version
  WHERE o.status = 'done';
 
--- name: finalize_one
+-- name: frag_finalize_one
 -- finalize for one message, with plain parameters (see begin_one).
 -- The same fence: id, lease_version, a live lease, and unless_begun.
+-- The body of finalize_one and of done_and_take_durable's CTE "done".
 UPDATE {table} AS o
    SET status       = %(status)s,
        available_at = CASE WHEN %(status)s = 'pending'
@@ -578,7 +579,11 @@ UPDATE {table} AS o
    AND o.lease_version = %(version)s
    AND o.lease_until IS NOT NULL
    AND NOT (%(unless_begun)s AND o.began_version IS NOT DISTINCT FROM o.lease_version)
-RETURNING o.id, o.ordered AND o.status = 'done';
+RETURNING o.id, o.ordered AND o.status = 'done'
+
+-- name: finalize_one
+-- frag_finalize_one, on its own.
+{frag_finalize_one};
 
 -- name: promote
 -- Make due again the parked successors of these rows, which just finished
@@ -731,13 +736,16 @@ WITH walked AS (
 ), changed AS ({frag_take_lease})
 {frag_take_rows};
 
--- name: take_durable
--- Lease and begin the next due row of the durable Celery task %(task)s, in
--- the transaction of the done of the run before it, for that run's pool
--- process to run at once (celery/durable_run.py, "Following"): a claim, the
--- task's send and its begin in one statement. Done and take commit together,
--- so the live leases never drop and rise between them: no claim's lock and
--- no count of the cap are needed (one lease ends as one begins).
+-- name: done_and_take_durable
+-- The fenced done of a durable Celery task's run (frag_finalize_one, in the
+-- transaction of the run's effect) and, if it was still the run's to
+-- finish, the lease and begin of the next due row of the same task %(task)s
+-- for that run's pool process to run at once (celery/durable_run.py,
+-- "following"): a claim, the task's send and its begin in one statement.
+-- Done and take commit together, so the live leases never drop and rise
+-- between them: no claim's lock and no count of the cap are needed (one
+-- lease ends as one begins). One row: whether the done was written (1 or
+-- 0), then begin's columns of the row taken (NULL: none).
 --
 -- Only a row the worker would run as this task's next message: a tracked
 -- row of this task (by its aggregate, celery.task/<name>), with the send
@@ -749,7 +757,7 @@ WITH walked AS (
 -- order, the first such row in id order that no one holds; a backlog of
 -- other rows costs the take no more. A row out of attempts goes dead, as a
 -- claim would send it, and is not returned.
-WITH walked AS (
+WITH done AS ({frag_finalize_one}), walked AS (
     SELECT o.id
       FROM (SELECT o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.ordered,
                    o.began_version, o.lease_version, o.headers
@@ -773,11 +781,14 @@ WITH walked AS (
        -- Pending, checked again on the row locked.
        AND o.status = 'pending'
        AND o.payload->'options' = %(options)s::jsonb
+       AND EXISTS (SELECT 1 FROM done)
      ORDER BY o.id
      LIMIT 1
        FOR UPDATE OF o SKIP LOCKED
 ), changed AS ({frag_take_lease})
-{frag_take_rows};
+SELECT (SELECT count(*) FROM done)::int, taken.*
+  FROM (SELECT 1) AS one
+  LEFT JOIN ({frag_take_rows}) AS taken ON true;
 
 -- name: reprobe_parked
 -- The rescuer's second look at rows parked longer than %(after)s: made due

@@ -25,6 +25,7 @@ from .relay import (
     begin,
     claim,
     claim_batch,
+    done_and_take_durable,
     done_under,
     extend_lease,
     extend_leases,
@@ -40,7 +41,6 @@ from .relay import (
     reschedule,
     rescue,
     take_chunk,
-    take_durable,
     take_next,
 )
 from .schema import (
@@ -65,6 +65,7 @@ __all__ = [
     "bound_session",
     "claim",
     "claim_batch",
+    "done_and_take_durable",
     "done_under",
     "extend_lease",
     "extend_leases",
@@ -92,6 +93,5 @@ __all__ = [
     "stats",
     "table_exists",
     "take_chunk",
-    "take_durable",
     "take_next",
 ]

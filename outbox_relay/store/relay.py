@@ -6,7 +6,7 @@ means "my lease was lost": the row was rescued, re-claimed or finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -14,7 +14,6 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg.types.json import Jsonb
 
 from ..model import Claimed, LeaseRef, Outcome
 from ._base import TableLike, clip, duration, queries, require_connection, statement_tx
@@ -26,6 +25,7 @@ __all__ = [
     "begin",
     "claim",
     "claim_batch",
+    "done_and_take_durable",
     "done_under",
     "extend_lease",
     "extend_leases",
@@ -41,7 +41,6 @@ __all__ = [
     "reschedule",
     "rescue",
     "take_chunk",
-    "take_durable",
     "take_next",
 ]
 
@@ -325,34 +324,42 @@ def take_next(
     return sorted((_began(row) for row in rows), key=lambda b: b.claimed.id)
 
 
-def take_durable(
+def done_and_take_durable(
     conn: psycopg.Connection[Any],
+    ref: LeaseRef,
     *,
     task: str,
     owner: str,
     lease: timedelta,
-    options: Mapping[str, Any],
+    options: str,
     max_attempts: int,
     table: TableLike = None,
     now: datetime | None = None,
-) -> Began | None:
-    """Lease and begin the next due row of durable task ``task`` for the
-    caller's process to run at once, in the caller's transaction (the done of
-    the run before it: one lease ends as the next begins), leased as a claim
-    leases it (``lease`` unless the row carries its own). ``options``: the
-    send options of a plain call of the task, which the row must have
-    (``durable.plain_options``). None when none of the first due rows, in
-    the claim's order, is this task's."""
-    params: dict[str, Any] = {
-        "task": task,
-        "owner": owner,
-        "lease": lease,
-        "options": Jsonb(dict(options)),
-        "max_attempts": max_attempts,
-        "now": now,
-    }
-    row = conn.execute(queries(table).take_durable, params).fetchone()
-    return None if row is None else _began(row)
+) -> tuple[bool, Began | None]:
+    """The fenced done of a durable task's run and, when it was still the
+    run's to finish, the lease and begin of the next due row of task
+    ``task``, for the caller's process to run at once: in one statement, in
+    the caller's transaction (the run's effect: the done, the effect and the
+    take commit together, one lease ending as the next begins). Leased as a
+    claim leases it (``lease`` unless the row carries its own). ``options``:
+    the JSON of the send options of a plain call of the task, which the row
+    must have (``durable.plain_options``). Returns whether the done was
+    written, and the row taken: None when none of the first due rows, in the
+    claim's order, is such a row of this task's."""
+    keys = ("id", "version", "status", "delay", "refund", "error", "unless_begun")
+    params: dict[str, Any] = dict(zip(keys, _finalize_params(Outcome.done(ref))))
+    params.update(
+        task=task,
+        owner=owner,
+        lease=lease,
+        options=options,
+        max_attempts=max_attempts,
+        now=now,
+    )
+    row = conn.execute(queries(table).done_and_take_durable, params).fetchone()
+    if row is None or not row[0]:
+        return False, None
+    return True, (None if row[1] is None else _began(row[1:]))
 
 
 def take_chunk(
