@@ -804,6 +804,8 @@ def test_a_run_goes_on_with_its_tasks_next_rows_as_the_worker_would(setup) -> No
     inline = [t for t in ids if not _received(worker, t)]
     assert inline, f"every row came by its own message\n{worker.text()[-3000:]}"
     for t in inline:
+        # The worker's log line for it, as for any task it runs.
+        assert f"Task durable.effect[{t}] succeeded in" in worker.text()
         row = _row(s.dsn, t)
         [received] = [e for e in tap.of_type("task-received") if e["uuid"] == t]
         assert received["name"] == "durable.effect"

@@ -95,6 +95,11 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
       expires when that part is gone.
     * ``outbox_max_run_seconds``: how long the lease is renewed while the body
       runs, when the task has no ``time_limit`` (which then bounds it).
+    * ``outbox_follow`` (default True): a run that ends well takes the next
+      due row of its task with its done, and its pool process runs it at
+      once, as the worker runs a message (for up to half a second after the
+      message's run; docs/durable.md, "Following"). Never for a task with a
+      rate limit or a time limit, or one that overrides ``after_return``.
 
     Acknowledgement: early (``acks_late = False``), on purpose. The row's
     lease is the truth: a worker killed mid-body lets the lease lapse, the
@@ -136,6 +141,21 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
         if not traced:
             return super().__call__(*args, **kwargs)
         return run(self, args, kwargs)
+
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        einfo: Any,
+    ) -> None:
+        """Runs the rows this run took to run after it (``outbox_follow``)."""
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+        from .durable_run import follow_after
+
+        follow_after(self)
 
     @property
     def outbox_conn(self) -> psycopg.Connection[Any]:

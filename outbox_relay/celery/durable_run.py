@@ -286,28 +286,40 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     lease = float(task.outbox_lease_seconds or settings.lease_seconds)
     max_run = _max_run(task)
     following: _Following | None = getattr(_local, "following", None)
-    outer = following is None
-    if outer:
+    if following is not None and following.running is None:
+        # Left by a run whose after_return never came (Celery's tracer skips
+        # it for a run it retries): nothing of it runs any more.
+        _local.following = None
+        _give_back(inst, following)
+        following = None
+    if following is None:
+        # This message's run; its after_return runs the rows it takes.
         following = _may_follow(task)
         _local.following = following
+    with _session(services, inst) as conn:
+        if not settings.transaction_pooling:
+            # Through a pooler in transaction mode a session setting would
+            # outlive the run in a server session other clients use.
+            _bound(conn, max_run + lease)
+        current = _Run(conn, services)
+        return _tracked(task, inst, current, ref, lease, max_run, body, args, kwargs, following)
+
+
+def follow_after(task: Any) -> None:
+    """``DurableTask.after_return``: run the rows this message's run took.
+
+    After Celery's tracer has reported the run (its state, its result, its
+    log line with its own runtime), before it lets the worker have the pool
+    process back. A row run here comes back to this function too: only the
+    message's own after_return goes on."""
+    following: _Following | None = getattr(_local, "following", None)
+    if following is None or following.running is not None:
+        return
     try:
-        with _session(services, inst) as conn:
-            if not settings.transaction_pooling:
-                # Through a pooler in transaction mode a session setting would
-                # outlive the run in a server session other clients use.
-                _bound(conn, max_run + lease)
-            current = _Run(conn, services)
-            result = _tracked(
-                task, inst, current, ref, lease, max_run, body, args, kwargs, following
-            )
-        if outer and following is not None:
-            _follow(task, following)
-        return result
+        _follow(task, following)
     finally:
-        if outer:
-            _local.following = None
-            if following is not None and following.taken is not None:
-                _give_back(inst, following.taken, "its run was not started")
+        _local.following = None
+        _give_back(_installation(task), following)
 
 
 def _may_follow(task: Any) -> _Following | None:
@@ -315,8 +327,15 @@ def _may_follow(task: Any) -> _Following | None:
 
     Not for a task the worker meters (``rate_limit``) or times (a time
     limit counts from the message, and a row run after it would have less),
-    nor for a call that did not come from a worker's queue."""
-    if not getattr(task, "outbox_follow", True) or task.rate_limit:
+    nor for a call that did not come from a worker's queue, nor for a task
+    whose own ``after_return`` might not hand over to ours."""
+    from .durable import DurableTask
+
+    if (
+        not getattr(task, "outbox_follow", True)
+        or task.rate_limit
+        or type(task).after_return is not DurableTask.after_return
+    ):
         return None
     conf = task.app.conf
     request = task.request
@@ -357,11 +376,11 @@ def _follow(task: Any, following: _Following) -> None:
             dispatcher = task.app.events.default_dispatcher(hostname=following.request["hostname"])
             events = stack.enter_context(dispatcher)
         while following.taken is not None:
-            began, following.taken = following.taken, None
-            request = _request_for(task, following, began)
-            if request is None:
-                _give_back(inst, began, "not a durable task row this worker can read")
+            request = _request_for(task, following, following.taken)
+            if request is None:  # written by hand, or by a release that knew another layout
+                _give_back(inst, following)
                 continue
+            began, following.taken = following.taken, None
             following.running = began
             try:
                 _event(events, "task-received", request, name=task.name, retries=0)
@@ -437,9 +456,14 @@ def _traced_event(events: Any, request: dict[str, Any], traced: Any) -> None:
         _event(events, "task-failed", request, exception=repr(info.retval), traceback="")
 
 
-def _give_back(inst: Installation, began: store.Began, reason: str) -> None:
-    """A row taken to follow and never started: due again at once, its attempt refunded."""
-    outcome = Outcome.release(began.claimed, reason=reason, refund_attempt=True)
+def _give_back(inst: Installation, following: _Following) -> None:
+    """A row taken to follow and not run: due again at once, its attempt refunded."""
+    began, following.taken = following.taken, None
+    if began is None:
+        return
+    outcome = Outcome.release(
+        began.claimed, reason="taken to run after another, not run", refund_attempt=True
+    )
     try:
         inst.services().db.run(
             lambda conn: store.finalize(conn, [outcome], table=inst.settings.outbox_table)
