@@ -31,7 +31,13 @@ app.conf.update(
 )
 
 
-@app.task(name="bench.durable_update", base=DurableTask, bind=True)
+@app.task(
+    name="bench.durable_update",
+    base=DurableTask,
+    bind=True,
+    # Off: every row runs from its own message (pipelines.durable's follow).
+    outbox_follow=os.environ.get("BENCH_DURABLE_FOLLOW") != "false",
+)
 def durable_update(self: Any, item: int) -> None:
     self.outbox_conn.execute("UPDATE bench_items SET done = true WHERE id = %s", (item,))
 

@@ -87,12 +87,16 @@ def fill_durable(dsn: str, n: int) -> None:
         conn.execute("VACUUM ANALYZE outbox")
 
 
-def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> Figure:
+def durable(
+    b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True, follow: bool = True
+) -> Figure:
     """Durable tasks doing the baseline's UPDATE, sent by the relay on the same pool.
 
     With beat, as in production: the in-flight cap (``in_flight``) bounds
     how many tasks wait in the queue; sized so that they run within their
     lease, or they expire there and are sent again a lease later.
+    ``follow=False``: the task's ``outbox_follow`` off, every row run from a
+    message of its own (what a trickle of rows costs, one at a time).
     """
     with database(b.admin) as dsn:
         fill_durable(dsn, n)
@@ -101,6 +105,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))
         env = celery_env(dsn, b.broker, max_in_flight=in_flight)
         env["BENCH_ACK_EMULATION"] = "true" if ack_emulation else "false"
+        env["BENCH_DURABLE_FOLLOW"] = "true" if follow else "false"
         env["BENCH_TIMELINE_DIR"] = str(folder / "timeline")
         env["BENCH_COUNT_DIR"] = str(folder / "counts")
         runner = CeleryProcs(env, folder, app="benchmarks.durable_app")
@@ -143,6 +148,7 @@ def durable(b: Bench, n: int, *, in_flight: int, ack_emulation: bool = True) -> 
             if row is None or row[0]:
                 raise RuntimeError(f"durable: {row} items without their effect")
             acks = "" if ack_emulation else ", Redis ack_emulation off"
+            acks += "" if follow else ", following off"
             figure = Figure(
                 f"durable task (UPDATE with its done), relay-sent, in-flight cap {in_flight}{acks}",
                 n,

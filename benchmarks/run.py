@@ -29,8 +29,9 @@ the median of its rounds). Scenarios, as a user configures them:
 * durable: durable tasks doing the ceiling's UPDATE, written to the outbox
   and sent by the relay on the same pool, in every round beside the UPDATE
   task; with kombu's emulated acks on (as ``install(app)`` leaves them) and
-  off (a worker of their own, docs/durable.md). Canvas rows run once, after
-  the rounds.
+  off (a worker of their own, docs/durable.md), and with following off
+  (each row from a message of its own, as a trickle runs). Canvas rows run
+  once, after the rounds.
 * latency: commit-to-publish p50/p99 for messages committed one at a time
   while the relay is idle, and at a steady rate of half the measured
   chunked maximum in every round (the round with the median p99 shown),
@@ -1210,6 +1211,12 @@ def main(argv: list[str] | None = None) -> int:
                         "durable_noack",
                         pipelines.durable(b, n, in_flight=args.in_flight, ack_emulation=False),
                     )
+                    # Each row by its own message, as a trickle of rows runs
+                    # (a run finds no row of its task waiting to follow it).
+                    record(
+                        "durable_nofollow",
+                        pipelines.durable(b, n, in_flight=args.in_flight, follow=False),
+                    )
             if want("loops") and not args.quick:
                 record(
                     "unnest",
@@ -1364,6 +1371,7 @@ def _report(
             ("per-message, ack_emulation on / Celery UPDATE task", "per_message_ack", "update"),
             ("durable task / Celery UPDATE task", "durable", "update"),
             ("durable task, ack_emulation off / Celery UPDATE task", "durable_noack", "update"),
+            ("durable task, following off / Celery UPDATE task", "durable_nofollow", "update"),
             (
                 "per-message / Celery UPDATE task, both ack_emulation off",
                 "per_message",
