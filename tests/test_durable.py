@@ -40,6 +40,7 @@ from tests.apps.durable_app import (
     exhaust,
     first,
     flaky,
+    patient,
     plain,
     poison,
     second,
@@ -844,6 +845,31 @@ def test_a_worker_killed_in_a_row_it_took_loses_no_task_and_counts_the_attempt(s
     _assert_once_each(s.dsn, results)
     assert len(_runs(s.dsn, "k-4")) == 2
     assert _row(s.dsn, slow)["attempts"] == 2  # the killed run counted
+
+
+def test_a_message_that_waited_long_in_the_queue_runs_alone(setup, owned_redis) -> None:
+    """A run whose message waited a quarter of its lease or more takes no row
+    after it: the messages queued behind it go first (each run that follows
+    holds its process up to half a second longer, and they would expire)."""
+    s = setup(owned_redis.url)
+    s.beat()
+    capped = {"OUTBOX_BATCH_SIZE": "5", "OUTBOX_MAX_IN_FLIGHT": "5"}
+    s.worker(s.relay_queue, **capped)  # the relay only: the tasks wait in their queue
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {f"w-{i}": write_durable(conn, None, patient.s(f"w-{i}"), {}) for i in range(10)}
+    client = owned_redis.client()
+    wait_for(lambda: client.llen(s.queue) == 5, timeout=60, what=lambda: f"5 queued\n{s.logs()}")
+    time.sleep(6)  # past a quarter of the 20 s lease, short of the messages' expiry (13 s)
+    worker = s.worker(s.queue, concurrency=1, **capped)
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=lambda: f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    # The five that waited ran alone, each from its message, before any of
+    # the five behind them (a run of theirs would have run those first).
+    waited = [results[f"w-{i}"].id for i in range(5)]
+    assert all(_received(worker, t) for t in waited), worker.text()[-3000:]
+    first = max(_runs(s.dsn, f"w-{i}")[0][2] for i in range(5))
+    assert all(_runs(s.dsn, f"w-{i}")[0][2] > first for i in range(5, 10)), worker.text()[-3000:]
 
 
 def test_a_timed_task_or_a_routed_row_runs_from_its_own_message(setup) -> None:

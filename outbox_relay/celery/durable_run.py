@@ -58,6 +58,11 @@ _local = threading.local()
 # saves its send, its trip through the broker and the worker's main
 # process, its claim and its own begin.
 FOLLOW_SECONDS = 0.5
+# A message that waited in the queue this share of its lease or more runs
+# alone: the queue behind it is long, and rows run after it would make the
+# messages behind it wait longer still, past their expiry (each message's
+# run would hold its pool process for FOLLOW_SECONDS).
+FOLLOW_WAITED_SHARE = 0.25
 
 
 @dataclass
@@ -518,6 +523,12 @@ def _tracked(
         )
         log.info("not running %s[%s]: outbox #%s %s", task.name, task.request.id, ref.id, reason)
         return None
+    if (
+        following is not None
+        and following.running is None
+        and began.lease_left_seconds < (1.0 - FOLLOW_WAITED_SHARE) * lease
+    ):
+        following = None  # this message waited long: the queue goes first
     claimed = began.claimed
     keeper = current.services.keeper_for(lease)
     _local.run = current

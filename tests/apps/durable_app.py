@@ -132,6 +132,15 @@ def timed(self: Any, key: str) -> str:
     return key
 
 
+@app.task(name="durable.patient", base=DurableTask, bind=True, outbox_lease_seconds=20.0)
+def patient(self: Any, key: str) -> str:
+    """``effect`` with a lease of 20 s: its messages may wait in the queue
+    for 13 s before they expire (durable_run.begin_margin)."""
+    _runs(key)
+    _effect(self, key)
+    return key
+
+
 @app.task(name="durable.poison", max_retries=1, **_DURABLE)
 def poison(self: Any, key: str) -> None:
     """Kills the pool process running it, every time (an OOM kill, say)."""
