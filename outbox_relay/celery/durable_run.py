@@ -378,8 +378,11 @@ def _follow(task: Any, following: _Following) -> None:
     with ExitStack() as stack:
         events: Any = None
         if inst.task_events:
-            dispatcher = task.app.events.default_dispatcher(hostname=following.request["hostname"])
-            events = stack.enter_context(dispatcher)
+            hostname = following.request["hostname"]
+            try:
+                events = stack.enter_context(task.app.events.default_dispatcher(hostname=hostname))
+            except Exception:  # monitoring never stops a run
+                log.debug("could not open a task event dispatcher", exc_info=True)
         while following.taken is not None:
             request = _request_for(task, following, following.taken)
             if request is None:  # written by hand, or by a release that knew another layout
