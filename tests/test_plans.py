@@ -399,6 +399,37 @@ def test_a_delivery_takes_its_next_chunk_without_walking_finished_rows(
     assert_takes_through_the_live_indexes(explain(big, Q.take_chunk, take_params()))
 
 
+def durable_params(message_id: int) -> dict[str, Any]:
+    """done_and_take_durable's: a durable run's done and the take of its next row."""
+    return {
+        **one_params(message_id),
+        "task": "shop.charge",
+        "owner": "w",
+        "lease": LEASE,
+        "options": "{}",
+        "max_attempts": 12,
+    }
+
+
+def assert_done_and_take_through_the_live_indexes(plan: dict[str, Any]) -> None:
+    """The done by its primary key; the take's walk on the ready index and
+    the row it locks by its primary key: no finished row read."""
+    scans = outbox_scans(plan)
+    assert ("Index Scan", "outbox_ready") in scans, describe(plan)
+    for kind, index in scans:
+        assert kind in ("Index Scan", "Index Only Scan"), describe(plan)
+        assert index in ("outbox_ready", "outbox_pkey"), describe(plan)
+
+
+def test_a_durable_run_takes_its_next_row_without_walking_finished_rows(
+    big: psycopg.Connection[Any],
+) -> None:
+    """A durable task's run that follows its task: its done and its take."""
+    [message_id] = live_ids(big, 1)
+    plan = explain(big, Q.done_and_take_durable, durable_params(message_id))
+    assert_done_and_take_through_the_live_indexes(plan)
+
+
 def _to_positional(query: str) -> tuple[str, list[str]]:
     """``%(name)s`` (and binary ``%(name)b``) placeholders as ``$n``, for a server-side PREPARE."""
     names: list[str] = []
@@ -438,14 +469,24 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "walk": "200",
         "cap": "1000",
         "budget": "1048576",
+        "id": "1",
+        "version": "1",
+        "status": "'done'",
+        "delay": "'0 seconds'::interval",
+        "refund": "0",
+        "error": "NULL::text",
+        "task": "'shop.charge'",
+        "options": "'{}'",
     }
     plans = {}
     try:
         statements = ("finalize", "finalize_done", "extend_lease", "begin", "claim", "in_flight")
-        for name in (*statements, "take_chunk"):
+        for name in (*statements, "take_chunk", "done_and_take_durable"):
             text, names = _to_positional(getattr(Q, name))
             big.execute(f"PREPARE plan_{name} AS {text}")
-            args = ", ".join(literals[n] for n in names)
+            # The single-message statements take a flag, not finalize's array.
+            scalar = {"unless_begun": "false"} if name == "done_and_take_durable" else {}
+            args = ", ".join(scalar.get(n, literals[n]) for n in names)
             row = big.execute(f"EXPLAIN (FORMAT JSON) EXECUTE plan_{name}({args})").fetchone()
             assert row is not None
             plans[name] = row[0][0]["Plan"]
@@ -459,6 +500,7 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
     assert_walks_only(plans["claim"], "CTE ready", "outbox_ready")
     assert {index for _, index in outbox_scans(plans["in_flight"])} == {"outbox_leased"}
     assert_takes_through_the_live_indexes(plans["take_chunk"])
+    assert_done_and_take_through_the_live_indexes(plans["done_and_take_durable"])
 
 
 # ---------------------------------------------------------------- thin statistics
