@@ -608,6 +608,43 @@ proctype worker(byte w) {
        r = 0; s = 0
      }
 
+  /* A durable task's run that follows its task (celery/durable_run.py):
+   * queries.sql `done_and_take_durable`, one statement: the fenced done and,
+   * only if it went through, the lease and begin of any pending row (its
+   * lease as a claim writes it, the attempt counted, marked begun, or dead
+   * when out of attempts), which this worker then runs with no broker in
+   * between. No cap is counted: the done ends a lease as the take begins
+   * one. (Plain deliveries end through `finalize_one` above; the model
+   * lets any worker end either way.) */
+  :: atomic {
+       wst[w] == W_PUBLISHED && wout[w] == O_OK && FENCE(wr[w], wv[w]) ->
+       select (j : 0 .. NROWS - 1);
+       t = 0;    /* a plain step: Spin allows no jump into a d_step */
+       d_step {
+         r = wr[w];
+         assert(pub[r] > 0);                     /* done only after a publish */
+         finalize_one(r, wv[w], DONE, 0);
+         if
+         :: st[j] == PENDING ->
+              ver[j]++;                          /* lease_version + 1 */
+              assert(ver[j] < 16);
+              begun[j] = 0; ended[j] = 0;
+              if
+              :: att[j] >= MAX_ATTEMPTS -> set_status(j, DEAD); idle(w)
+              :: else ->
+                   set_status(j, PROC);
+                   lease[j] = FULL;
+                   begun[j] = 1; att[j]++;       /* began_version = lease_version */
+                   check_attempts(j);
+                   wr[w] = j; wv[w] = ver[j]; watt[w] = att[j]; wout[w] = 0;
+                   wst[w] = W_BEGUN
+              fi
+         :: else -> idle(w)                      /* nothing to take */
+         fi;
+         r = 0; j = 0
+       }
+     }
+
   /* The worker process dies (or is killed) at any step: its task and
    * whatever it knew are gone; the worker comes back idle. */
   :: d_step {
