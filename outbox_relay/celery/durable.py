@@ -317,6 +317,14 @@ def plain_options(task: Any) -> str:
     return cached  # type: ignore[no-any-return]
 
 
+def row_lease(headers: Mapping[str, Any] | None, default: float) -> float:
+    """The lease a durable row is given, from its ``headers``: its own (its
+    task's ``outbox_lease_seconds``, written by its producer) or ``default``,
+    the relay's, as the claim gives it (queries.sql, frag_row_lease)."""
+    value = (headers or {}).get("lease_seconds")
+    return float(value) if isinstance(value, (int, float)) else default
+
+
 def _row_headers(task: Any) -> dict[str, Any]:
     """What the relay reads from a durable row: its lease and its attempt limit.
 

@@ -35,7 +35,7 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..services.keeper import renewal_period
 from ..services.policy import RetryPolicy, classify_task
 from . import names
-from .durable import HEADER_ID, HEADER_LEASE_VERSION, plain_options, write_step
+from .durable import HEADER_ID, HEADER_LEASE_VERSION, plain_options, row_lease, write_step
 from .events import Observers
 from .identity import origin_headers
 from .options import annotations_for, retry_policy
@@ -529,7 +529,9 @@ def _tracked(
     if (
         following is not None
         and following.running is None
-        and began.lease_left_seconds < (1.0 - FOLLOW_WAITED_SHARE) * lease
+        and began.lease_left_seconds
+        < (1.0 - FOLLOW_WAITED_SHARE)
+        * row_lease(began.claimed.headers, inst.settings.lease_seconds)
     ):
         following = None  # this message waited long: the queue goes first
     claimed = began.claimed

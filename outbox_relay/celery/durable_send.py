@@ -23,7 +23,7 @@ from kombu.entity import Queue
 
 from ..config import Settings
 from ..model import Claimed, Outcome
-from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION
+from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION, row_lease
 from .durable_run import begin_margin
 from .sender import RoundSender
 
@@ -51,11 +51,6 @@ class DurableSends:
 
     def outcomes(self) -> list[Outcome]:
         return [Outcome.done(row) for row in self.handed_off] + self.broken
-
-
-def _lease(row: Claimed, settings: Settings) -> float:
-    value = (row.headers or {}).get("lease_seconds")
-    return float(value) if isinstance(value, (int, float)) else settings.lease_seconds
 
 
 def _chain_option(app: Any, chain: Sequence[Any]) -> list[Any] | None:
@@ -124,7 +119,7 @@ def send_durable(
     headers: dict[str, Any] | None = None
     if track:
         headers = {HEADER_ID: row.id, HEADER_LEASE_VERSION: row.lease_version}
-        lease = _lease(row, settings)
+        lease = row_lease(row.headers, settings.lease_seconds)
         send["expires"] = max(1.0, lease - begin_margin(lease))
     # Routed once, with the row's arguments (a user's router may read them);
     # its queue declared once per round.

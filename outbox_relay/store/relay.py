@@ -346,8 +346,7 @@ def done_and_take_durable(
     must have (``durable.plain_options``). Returns whether the done was
     written, and the row taken: None when none of the first due rows, in the
     claim's order, is such a row of this task's."""
-    keys = ("id", "version", "status", "delay", "refund", "error", "unless_begun")
-    params: dict[str, Any] = dict(zip(keys, _finalize_params(Outcome.done(ref))))
+    params: dict[str, Any] = dict(zip(_FINALIZE_ONE_KEYS, _finalize_params(Outcome.done(ref))))
     params.update(
         task=task,
         owner=owner,
@@ -517,6 +516,10 @@ def begin(
     return {row[0]: _began(row) for row in rows}
 
 
+# finalize_one's parameters, in _finalize_params's order.
+_FINALIZE_ONE_KEYS = ("id", "version", "status", "delay", "refund", "error", "unless_begun")
+
+
 def _finalize_params(o: Outcome) -> tuple[Any, ...]:
     return (
         o.id,
@@ -564,8 +567,8 @@ def _finalize_rows(
     """The fenced write of ``finalize``: (id, ordered and now done) of each row changed."""
     q = queries(table)
     if len(outcomes) == 1:
-        keys = ("id", "version", "status", "delay", "refund", "error", "unless_begun")
-        query, params = q.finalize_one, dict(zip(keys, _finalize_params(outcomes[0])), now=now)
+        params = dict(zip(_FINALIZE_ONE_KEYS, _finalize_params(outcomes[0])), now=now)
+        query = q.finalize_one
     elif all(o.plainly_done for o in outcomes):
         ids, versions = [o.id for o in outcomes], [o.lease_version for o in outcomes]
         query, params = q.finalize_done, {"ids": ids, "versions": versions, "now": now}
