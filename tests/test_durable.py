@@ -872,6 +872,39 @@ def test_a_message_that_waited_long_in_the_queue_runs_alone(setup, owned_redis) 
     assert all(_runs(s.dsn, f"w-{i}")[0][2] > first for i in range(5, 10)), worker.text()[-3000:]
 
 
+def test_a_row_the_router_sends_elsewhere_by_its_arguments_runs_there(setup) -> None:
+    """A run takes its task's next row only where that row's message would
+    have come: with a router that reads the arguments, a row routed to
+    another queue is given back and runs on the worker of that queue."""
+    s = setup()
+    other = f"dk-{uuid.uuid4().hex[:8]}"
+    env = {
+        "DURABLE_QUEUE_BY_KEY": other,
+        "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
+        "OUTBOX_BATCH_SIZE": "1",
+        "OUTBOX_MAX_IN_FLIGHT": "1",
+    }
+    s.procs.beat(env=env)
+    here = s.worker(s.relay_queue, s.queue, concurrency=1, **env)
+    there = s.worker(other, concurrency=1, **env)
+    time.sleep(3)  # the listener is up: the commit's NOTIFY starts the drain
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {
+            key: write_durable(conn, None, effect.s(key), {})
+            for i in range(6)
+            for key in (f"a-{i}", f"b-{i}")
+        }
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=90, what=lambda: f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    for key, result in results.items():
+        ran_here = f"[{result.id}] succeeded" in here.text()
+        ran_there = f"[{result.id}] succeeded" in there.text()
+        assert (ran_here, ran_there) == (key.startswith("a-"), key.startswith("b-")), (
+            f"{key}\n{s.logs()[-4000:]}"
+        )
+
+
 def test_a_timed_task_or_a_routed_row_runs_from_its_own_message(setup) -> None:
     """Not taken to run after another: a task with a time limit (it counts
     from the message, and a row run after it would have less) and a row

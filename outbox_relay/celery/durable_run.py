@@ -388,6 +388,11 @@ def _follow(task: Any, following: _Following) -> None:
             if request is None:  # written by hand, or by a release that knew another layout
                 _give_back(inst, following)
                 continue
+            if not _routed_here(task, request):
+                # The app's router sends this row's message elsewhere (by
+                # its arguments): to the queue it routes to, by a claim.
+                _give_back(inst, following)
+                return
             began, following.taken = following.taken, None
             following.running = began
             try:
@@ -432,6 +437,23 @@ def _request_for(task: Any, following: _Following, began: store.Began) -> dict[s
         "args": args,
         "kwargs": kwargs,
     }
+
+
+def _routed_here(task: Any, request: dict[str, Any]) -> bool:
+    """Whether the row's message would come where the message being run
+    came from: the app's routes (``task_routes``) may route a task by its
+    arguments. Without routes, every plain call of a task goes to one place."""
+    if not task.app.conf.task_routes:
+        return True
+    own = {k: v for k, v in task._get_exec_options().items() if v is not None}
+    route = task.app.amqp.router.route(own, task.name, request["args"], request["kwargs"], task)
+    queue = route.get("queue")
+    exchange = getattr(getattr(queue, "exchange", None), "name", None)
+    info = request["delivery_info"] or {}
+    return (exchange, getattr(queue, "routing_key", None)) == (
+        info.get("exchange"),
+        info.get("routing_key"),
+    )
 
 
 def _event(events: Any, kind: str, request: dict[str, Any], **fields: Any) -> None:

@@ -42,6 +42,18 @@ app.conf.update(
     worker_enable_remote_control=False,
 )
 
+if os.environ.get("DURABLE_QUEUE_BY_KEY"):
+    # A router that reads the arguments: effect("b-...") goes to a queue of
+    # its own (tests/test_durable.py, a routed row is never run elsewhere).
+    def _by_key(
+        name: str, args: Any, kwargs: Any, options: Any, task: Any = None, **kw: Any
+    ) -> Any:
+        if name == "durable.effect" and args and str(args[0]).startswith("b-"):
+            return {"queue": os.environ["DURABLE_QUEUE_BY_KEY"]}
+        return None
+
+    app.conf.task_routes = (_by_key,)
+
 if os.environ.get("DURABLE_ACK_EMULATION") == "false":
     # A worker of their own (docs/durable.md): kombu keeps no copy of a
     # message it handed to this worker, so a SIGKILL takes the prefetched
