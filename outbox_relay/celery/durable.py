@@ -97,8 +97,8 @@ class DurableTask(Task):  # type: ignore[misc]  # celery is untyped
       runs, when the task has no ``time_limit`` (which then bounds it).
     * ``outbox_follow`` (default True): a run that ends well takes the next
       due row of its task with its done, and its pool process runs it at
-      once, as the worker runs a message (for up to half a second after the
-      message's run; docs/durable.md, "Following"). Never for a task with a
+      once, as the worker runs a message (until half a second after the
+      message's run began; docs/durable.md, "Following"). Never for a task with a
       rate limit or a time limit, or one that overrides ``after_return``.
 
     Acknowledgement: early (``acks_late = False``), on purpose. The row's
