@@ -36,11 +36,12 @@ from typing import Any
 import psycopg
 
 from ..errors import InvalidMessage, PermanentError, RetryableError
-from ..model import Message
+from ..model import LeaseRef, Message
 from ..outbox import Outbox
 from ..producer import CANVAS_EVENT_TYPE, NewMessage, enqueue_many
 from ..publishers._process import PerProcess
 from ..publishers.celery_task import did_you_mean, sending
+from .sender import argsrepr, kwargsrepr
 
 __all__ = [
     "CANVAS_AGGREGATE_TYPE",
@@ -685,7 +686,7 @@ class CanvasPublisher:
                 f"outbox message {message.id} is not a canvas Celery can read "
                 f"({type(exc).__name__}: {exc})"
             ) from None
-        row = f"outbox #{message.id} v{message.lease_version}"
+        shown = argsrepr([LeaseRef(message.id, message.lease_version)])
         ours = {"outbox-id": message.id, "outbox-lease-version": message.lease_version}
         for node in nodes:
             if _is_task(node):
@@ -693,8 +694,8 @@ class CanvasPublisher:
                 # What Flower, events and worker logs show instead of the
                 # arguments: the row, never the payload (it may hold personal data).
                 node.options.update(
-                    argsrepr=f"({row})",
-                    kwargsrepr="{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}",
+                    argsrepr=shown,
+                    kwargsrepr=kwargsrepr(kwargs),
                     headers={**dict(node.options.get("headers") or {}), **ours},
                 )
             elif node.options.get("headers"):

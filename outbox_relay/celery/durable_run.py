@@ -39,6 +39,7 @@ from .durable import HEADER_ID, HEADER_LEASE_VERSION, plain_options, row_lease, 
 from .events import Observers
 from .identity import origin_headers
 from .options import annotations_for, retry_policy
+from .sender import argsrepr, kwargsrepr
 
 if TYPE_CHECKING:
     from .runtime import Installation, Services
@@ -334,21 +335,9 @@ def _may_follow(task: Any) -> _Following | None:
     limit counts from the message, and a row run after it would have less),
     nor for a call that did not come from a worker's queue, nor for a task
     whose own ``after_return`` might not hand over to ours."""
-    from .durable import DurableTask
-
-    if (
-        not getattr(task, "outbox_follow", True)
-        or task.rate_limit
-        or type(task).after_return is not DurableTask.after_return
-    ):
-        return None
-    conf = task.app.conf
     request = task.request
     if (
-        task.time_limit
-        or task.soft_time_limit
-        or conf.get("task_time_limit")
-        or conf.get("task_soft_time_limit")
+        not _follows(task)
         or any(getattr(request, "timelimit", None) or ())
         or getattr(request, "is_eager", False)
         or not getattr(request, "delivery_info", None)
@@ -360,6 +349,27 @@ def _may_follow(task: Any) -> _Following | None:
         "is_eager": False,
     }
     return _Following(time.monotonic() + FOLLOW_SECONDS, template)
+
+
+def _follows(task: Any) -> bool:
+    """What of ``_may_follow`` the task's class and app decide, worked out
+    once per task."""
+    cached = task.__dict__.get("_outbox_follows")
+    if cached is None:
+        from .durable import DurableTask
+
+        conf = task.app.conf
+        cached = not (
+            not getattr(task, "outbox_follow", True)
+            or task.rate_limit
+            or type(task).after_return is not DurableTask.after_return
+            or task.time_limit
+            or task.soft_time_limit
+            or conf.get("task_time_limit")
+            or conf.get("task_soft_time_limit")
+        )
+        task.__dict__["_outbox_follows"] = cached
+    return bool(cached)
 
 
 def _follow(task: Any, following: _Following) -> None:
@@ -432,8 +442,8 @@ def _request_for(task: Any, following: _Following, began: store.Began) -> dict[s
         "headers": lease,
         "timelimit": [None, None],
         "retries": 0,
-        "argsrepr": f"(outbox #{ref.id} v{ref.lease_version})",
-        "kwargsrepr": "{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}" if kwargs else "{}",
+        "argsrepr": argsrepr([ref]),
+        "kwargsrepr": kwargsrepr(kwargs),
         "args": args,
         "kwargs": kwargs,
     }

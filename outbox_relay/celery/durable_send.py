@@ -25,7 +25,7 @@ from ..config import Settings
 from ..model import Claimed, Outcome
 from .durable import DURABLE_EVENT, HEADER_ID, HEADER_LEASE_VERSION, row_lease
 from .durable_run import begin_margin
-from .sender import RoundSender
+from .sender import RoundSender, argsrepr, kwargsrepr
 
 __all__ = [
     "DurableSends",
@@ -130,8 +130,8 @@ def send_durable(
         args,
         kwargs,
         task_id=task_id,
-        argsrepr=f"(outbox #{row.id} v{row.lease_version})",
-        kwargsrepr="{" + ", ".join(f"{k!r}: ..." for k in kwargs) + "}" if kwargs else "{}",
+        argsrepr=argsrepr([row.ref]),
+        kwargsrepr=kwargsrepr(kwargs),
         headers=headers,
         # The rest of the chain continues as Celery's own (see the module doc).
         chain=None if track else _chain_option(sender.app, chain),

@@ -19,16 +19,15 @@ from typing import Any
 
 from ..config import Settings
 from ..db import Database
-from ..model import Claimed, LeaseRef, Outcome
+from ..model import Claimed, Outcome
 from ..store import finalize
 from .durable_send import DurableSends, declare_queue, is_durable_row, send_durable
 from .options import time_limits
-from .sender import RoundSender, Route
+from .sender import RoundSender, Route, argsrepr
 
 __all__ = [
     "CHUNK_PAYLOAD_BYTES",
     "DrainPlan",
-    "argsrepr",
     "chunk_size_for",
     "chunked",
     "drain_plan",
@@ -37,13 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("outbox_relay.celery")
-
-
-def argsrepr(refs: Sequence[LeaseRef]) -> str:
-    """What Flower shows as the task's arguments: ids, never payloads."""
-    if len(refs) == 1:
-        return f"(outbox #{refs[0].id} v{refs[0].lease_version})"
-    return f"({len(refs)} outbox messages #{refs[0].id}..#{refs[-1].id})"
 
 
 def release(db: Database, settings: Settings, claimed: Sequence[Claimed], reason: str) -> None:

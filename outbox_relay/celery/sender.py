@@ -28,6 +28,7 @@ starts; its sends take milliseconds.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,7 +37,22 @@ from celery.utils.nodenames import anon_nodename
 from celery.utils.time import maybe_make_aware
 from kombu.utils.uuid import uuid
 
-__all__ = ["RoundSender", "Route"]
+from ..model import LeaseRef
+
+__all__ = ["RoundSender", "Route", "argsrepr", "kwargsrepr"]
+
+
+def argsrepr(refs: Sequence[LeaseRef]) -> str:
+    """What Flower, events and worker logs show as a task's arguments: the
+    outbox rows, never their payloads (they may hold personal data)."""
+    if len(refs) == 1:
+        return f"(outbox #{refs[0].id} v{refs[0].lease_version})"
+    return f"({len(refs)} outbox messages #{refs[0].id}..#{refs[-1].id})"
+
+
+def kwargsrepr(names: Iterable[str]) -> str:
+    """What they show as its keyword arguments: the names alone."""
+    return "{" + ", ".join(f"{k!r}: ..." for k in names) + "}"
 
 
 @dataclass(frozen=True)
