@@ -96,6 +96,19 @@ class Setup:
     def beat(self) -> Proc:
         return self.procs.beat()
 
+    def capped_beat(self, *, batch: int, interval: float = 60, **env: str) -> dict[str, str]:
+        """Beat for a relay that claims ``batch`` rows at a time under an
+        in-flight cap of as many, ticking every ``interval`` seconds; the
+        settings are returned for its workers to start with."""
+        settings = {
+            "OUTBOX_CLAIM_INTERVAL_SECONDS": str(interval),
+            "OUTBOX_BATCH_SIZE": str(batch),
+            "OUTBOX_MAX_IN_FLIGHT": str(batch),
+            **env,
+        }
+        self.procs.beat(env=settings)
+        return settings
+
     def logs(self) -> str:
         return self.procs.logs()
 
@@ -390,12 +403,7 @@ def test_a_backlog_of_many_batches_drains_without_waiting_for_beat(setup) -> Non
     the messages' expiry (these tasks' lease is a few seconds) on a busy host.
     """
     s = setup()
-    slow_beat = {
-        "OUTBOX_CLAIM_INTERVAL_SECONDS": "60",
-        "OUTBOX_BATCH_SIZE": "20",
-        "OUTBOX_MAX_IN_FLIGHT": "20",
-    }
-    s.procs.beat(env=slow_beat)
+    slow_beat = s.capped_beat(batch=20)
     s.worker(concurrency=2, **slow_beat)
     time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
     with psycopg.connect(s.dsn) as conn, conn.transaction():
@@ -779,12 +787,7 @@ def test_a_run_goes_on_with_its_tasks_next_rows_as_the_worker_would(setup) -> No
     in its process: each once, under its own task id, attempt counted, with
     the events Flower reads, and without a message of its own."""
     s = setup()
-    one_at_a_time = {
-        "OUTBOX_CLAIM_INTERVAL_SECONDS": "60",
-        "OUTBOX_BATCH_SIZE": "1",
-        "OUTBOX_MAX_IN_FLIGHT": "1",
-    }
-    s.procs.beat(env=one_at_a_time)
+    one_at_a_time = s.capped_beat(batch=1)
     worker = s.worker(concurrency=1, events=True, **one_at_a_time)
     time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
     with EventTap(_client(s.broker)) as tap:
@@ -821,12 +824,7 @@ def test_a_worker_killed_in_a_row_it_took_loses_no_task_and_counts_the_attempt(s
     """A row taken with the done before it was begun in that commit: a worker
     killed in its body counts that attempt, and the row runs again, once."""
     s = setup()
-    one_at_a_time = {
-        "OUTBOX_CLAIM_INTERVAL_SECONDS": "2",
-        "OUTBOX_BATCH_SIZE": "1",
-        "OUTBOX_MAX_IN_FLIGHT": "1",
-    }
-    s.procs.beat(env=one_at_a_time)
+    one_at_a_time = s.capped_beat(batch=1, interval=2)
     w1 = s.worker(concurrency=1, **one_at_a_time)
     time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
     with psycopg.connect(s.dsn) as conn, conn.transaction():
@@ -878,13 +876,7 @@ def test_a_row_the_router_sends_elsewhere_by_its_arguments_runs_there(setup) -> 
     another queue is given back and runs on the worker of that queue."""
     s = setup()
     other = f"dk-{uuid.uuid4().hex[:8]}"
-    env = {
-        "DURABLE_QUEUE_BY_KEY": other,
-        "OUTBOX_CLAIM_INTERVAL_SECONDS": "1",
-        "OUTBOX_BATCH_SIZE": "1",
-        "OUTBOX_MAX_IN_FLIGHT": "1",
-    }
-    s.procs.beat(env=env)
+    env = s.capped_beat(batch=1, interval=1, DURABLE_QUEUE_BY_KEY=other)
     here = s.worker(s.relay_queue, s.queue, concurrency=1, **env)
     there = s.worker(other, concurrency=1, **env)
     time.sleep(3)  # the listener is up: the commit's NOTIFY starts the drain
