@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from benchmarks import timeline
 from benchmarks.run import (
@@ -70,19 +71,29 @@ class Progress(Probe):
         return int(self.one("SELECT count(*) FROM outbox WHERE status = 'done'"))
 
 
-def fill_durable(dsn: str, n: int) -> None:
-    """``n`` durable task rows, as ``write_durable`` writes them (in one statement)."""
+def fill_durable(dsn: str, n: int, *, follow: bool = True) -> None:
+    """``n`` durable task rows, as ``write_durable`` writes them (in one
+    statement), with the headers it writes for the benchmark's task: its
+    attempt limit, and whether its runs take its rows (``follow``)."""
+    from benchmarks.durable_app import app
+    from outbox_relay.celery.durable import prepare_durable
+
+    task = app.tasks["bench.durable_update"]
+    # As the worker's copy of the app has it (BENCH_DURABLE_FOLLOW there).
+    task.outbox_follow = follow
+    task.__dict__.pop("_outbox_follows", None)  # durable.follows' cached answer
+    message, _ = prepare_durable(task.s(0), {})
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE bench_items (id int PRIMARY KEY, done bool DEFAULT false)")
         conn.execute("INSERT INTO bench_items SELECT g FROM generate_series(1, %s) g", (n,))
         conn.execute(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)"
-            " SELECT 'celery.task', 'bench.durable_update', 'celery.durable',"
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, headers, payload)"
+            " SELECT 'celery.task', 'bench.durable_update', 'celery.durable', %s,"
             " jsonb_build_object('task', 'bench.durable_update', 'id', gen_random_uuid()::text,"
             " 'args', jsonb_build_array(g), 'kwargs', '{}'::jsonb, 'options', '{}'::jsonb,"
             " 'chain', '[]'::jsonb, 'track', true)"
             " FROM generate_series(1, %s) AS g",
-            (n,),
+            (Jsonb(message.headers), n),
         )
         conn.execute("VACUUM ANALYZE outbox")
 
@@ -99,7 +110,7 @@ def durable(
     message of its own (what a trickle of rows costs, one at a time).
     """
     with database(b.admin) as dsn:
-        fill_durable(dsn, n)
+        fill_durable(dsn, n, follow=follow)
         client = redis_client(b.broker)
         client.delete("outbox", "bench-durable")
         folder = Path(tempfile.mkdtemp(prefix="outbox-bench-"))

@@ -1217,6 +1217,13 @@ def main(argv: list[str] | None = None) -> int:
                         "durable_nofollow",
                         pipelines.durable(b, n, in_flight=args.in_flight, follow=False),
                     )
+                    # The whole backlog within the cap: the claim could send
+                    # every row by message; it sends a few and leaves the
+                    # rest for the runs to take (queries.sql, frag_held).
+                    record(
+                        "durable_within",
+                        pipelines.durable(b, n, in_flight=max(args.in_flight, 2 * n)),
+                    )
             if want("loops") and not args.quick:
                 record(
                     "unnest",
@@ -1372,6 +1379,11 @@ def _report(
             ("durable task / Celery UPDATE task", "durable", "update"),
             ("durable task, ack_emulation off / Celery UPDATE task", "durable_noack", "update"),
             ("durable task, following off / Celery UPDATE task", "durable_nofollow", "update"),
+            (
+                "durable task, backlog within the cap / Celery UPDATE task",
+                "durable_within",
+                "update",
+            ),
             (
                 "per-message / Celery UPDATE task, both ack_emulation off",
                 "per_message",

@@ -138,11 +138,15 @@ if [ "$full" = 1 ]; then
   check pass safety   "3 faults"                      -DFAULTS=3
   check pass safety   "3 rows"                        -DNROWS=3
   check pass liveness "max_attempts 3"                -DMAX_ATTEMPTS=3
-  check pass liveness "cap 2"                         -DCAP=2 -DK=5
   check pass liveness "3 workers"                     -DNW=3
   check pass liveness "3 faults"                      -DFAULTS=3
   check pass liveness "3 rows"                        -DNROWS=3
 fi
+
+echo "== a claim leaves rows for following runs only while their queue is long (frag_held)"
+# At cap 1 the cap alone already stops a claim while a row is queued.
+check pass liveness "hold, cap 2"                     -DCAP=2 -DK=5
+check fail liveness "HOLD_ALWAYS, cap 2"              -DCAP=2 -DK=5 -DHOLD_ALWAYS
 
 echo "== the historical freeze: must fail liveness"
 check pass safety   "FREEZE_BUG"                      -DFREEZE_BUG

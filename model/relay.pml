@@ -31,8 +31,11 @@
  *   NO_VERSION_FENCE the fenced statements without their version test
  *                    (`lease_version = %(version)s`): a worker of an older
  *                    lease writes into a newer one; the safety check must fail.
+ *   HOLD_ALWAYS      a claim that leaves rows for following runs whatever
+ *                    their task's queue (frag_held without its count): the
+ *                    liveness check must fail.
  *   NOMONITOR        leave out the invariant monitor (the liveness runs).
- *   NROWS NW MAX_ATTEMPTS CAP K LOSS DUP CRASH LATE FANFAIL FAULTS
+ *   NROWS NW MAX_ATTEMPTS CAP HOLD_QUEUE K LOSS DUP CRASH LATE FANFAIL FAULTS
  *                    sizes and fault budgets, below.
  */
 
@@ -48,6 +51,9 @@
 #endif
 #ifndef CAP
 #define CAP 1            /* OUTBOX_MAX_IN_FLIGHT */
+#endif
+#ifndef HOLD_QUEUE
+#define HOLD_QUEUE 1     /* the claim's follow_queue (frag_held); NROWS: no hold */
 #endif
 #ifndef K
 #define K 4              /* broker capacity in tasks, 4..6 (never reached: asserted) */
@@ -329,8 +335,9 @@ active proctype producer() {
  * It runs on beat's tick forever, so it is always enabled (a no-op when
  * nothing is due or there is no room). */
 active proctype claimer() {
-  byte r, n, room, live, off, i, j, t;
+  byte r, n, room, live, off, i, j, t, queued;
   bit claimed[NROWS];
+  bit aged;
   do
   :: atomic {
        !ANY_RELV ->
@@ -338,8 +345,15 @@ active proctype claimer() {
         * may come first (back-off and locks reorder rows): the scan starts
         * at any row. */
        select (off : 0 .. NROWS - 1);
+       /* frag_held: every row stands for a following durable task's row; a
+        * claim leaves it while HOLD_QUEUE leased rows are not yet begun
+        * (their tasks queued), unless it has waited the hold out: either,
+        * whenever (the hold's clock is not modelled). */
+       select (aged : 0 .. 1);
        t = 0;    /* a plain step: Spin allows no jump into a d_step */
        d_step {
+         queued = 0;
+         for (r : 0 .. NROWS - 1) { queued = queued + (LIVE(r) && !begun[r]) };
          live = 0;
 #ifdef FREEZE_BUG
          /* The old claim: its in-flight count took every 'processing' row,
@@ -365,8 +379,16 @@ active proctype claimer() {
          for (n : 0 .. NROWS - 1) {
            r = (off + n) % NROWS;
            if
-           :: room > 0 && st[r] == PENDING ->
+#ifdef HOLD_ALWAYS
+           /* The hold without its queue rule: left while not aged, however
+            * short the queue (the hold's age is not modelled, so nothing
+            * ends it): liveness must fail. */
+           :: room > 0 && st[r] == PENDING && aged ->
+#else
+           :: room > 0 && st[r] == PENDING && (aged || queued < HOLD_QUEUE) ->
+#endif
                 room--;
+                queued++;
                 ver[r]++;                        /* lease_version + 1 */
                 assert(ver[r] < 16);
                 begun[r] = 0; ended[r] = 0;
@@ -380,7 +402,7 @@ active proctype claimer() {
            :: else -> skip
            fi
          };
-         r = 0; n = 0; off = 0; room = 0; live = 0
+         r = 0; n = 0; off = 0; room = 0; live = 0; queued = 0; aged = 0
        };
        /* The claim committed; then fanout.fan_out sends (id, lease_version). */
        if

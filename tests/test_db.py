@@ -131,6 +131,8 @@ def test_relay_sessions_never_jit_compile_their_statements(dsn: str) -> None:
         "now": None,
         "all_ordered": False,
         "ordered_types": [],
+        "follow_queue": 16,
+        "hold": timedelta(seconds=2),
     }
     claim = queries_for(OutboxTable.parse(None)).claim
 

@@ -89,9 +89,24 @@ class Setup:
             app="tests.apps.durable_app",
         )
 
-    def worker(self, *queues: str, concurrency: int = 2, events: bool = False, **env: str) -> Proc:
-        args = ("-Q", ",".join(queues)) if queues else ()
+    def worker(
+        self,
+        *queues: str,
+        concurrency: int = 2,
+        events: bool = False,
+        prefetch: int | None = None,
+        **env: str,
+    ) -> Proc:
+        args: tuple[str, ...] = ("-Q", ",".join(queues)) if queues else ()
+        if prefetch is not None:
+            args += ("--prefetch-multiplier", str(prefetch))
         return self.procs.worker(concurrency=concurrency, events=events, args=args, env=env)
+
+    def relay_only(self, **env: str) -> Proc:
+        """A worker of the relay's queue alone (the tasks wait in theirs),
+        whose claims send five rows of a following task at once: they keep
+        twice what it takes ahead queued, 2 x 2 x 3 = 12 (docs/durable.md)."""
+        return self.worker(self.relay_queue, prefetch=3, **env)
 
     def beat(self) -> Proc:
         return self.procs.beat()
@@ -346,7 +361,7 @@ def test_a_worker_killed_mid_body_loses_no_task(setup, ack_emulation: str) -> No
 def test_a_broker_that_forgets_its_queue_loses_no_task(setup, owned_redis) -> None:
     s = setup(owned_redis.url)
     s.beat()
-    s.worker(s.relay_queue)  # the relay only: the tasks wait in their queue
+    s.relay_only()
     results = {f"flush-{i}": _write(s.dsn, effect.s(f"flush-{i}")) for i in range(5)}
     client = owned_redis.client()
     wait_for(lambda: client.llen(s.queue) == 5, timeout=60, what=lambda: f"5 queued\n{s.logs()}")
@@ -369,7 +384,7 @@ def test_the_relay_declares_a_queue_no_worker_consumes_yet_over_rabbitmq(setup) 
     s = setup(amqp)
     try:
         s.beat()
-        s.worker(s.relay_queue)  # the relay only: nobody consumes the tasks' queue yet
+        s.relay_only()  # nobody consumes the tasks' queue yet
         results = {f"amqp-{i}": _write(s.dsn, effect.s(f"amqp-{i}")) for i in range(5)}
 
         def waiting() -> int:
@@ -777,6 +792,65 @@ def test_a_done_takes_only_its_tasks_next_plain_row(dsn, conn) -> None:
     assert status == "dead" and "retries exhausted" in error
 
 
+def _hold_claim(conn: psycopg.Connection[Any], **options: Any) -> set[str]:
+    """A claim of the Celery relay's kind that leaves following rows while
+    two such messages are queued; the keys of the rows it leased."""
+    claimed = store.claim_batch(
+        conn,
+        owner="w",
+        batch=100,
+        lease=timedelta(seconds=30),
+        content=False,
+        max_in_flight=100,
+        park=True,
+        **{"follow_queue": 2, "hold": timedelta(seconds=60), **options},
+    ).claimed
+    return {c.payload["args"][0] for c in claimed}
+
+
+def test_a_claim_leaves_a_following_tasks_rows_for_its_runs_while_its_queue_is_long(
+    dsn, conn
+) -> None:
+    """A backlog within the in-flight cap is not sent whole by message: the
+    claim sends a following task's rows until its queue holds a few, and
+    leaves the rest for the runs to take as they end (or for a later claim,
+    once the queue is short or the rows waited the hold out)."""
+    for i in range(6):
+        _write(dsn, effect.s(f"e{i}"))
+    _write(dsn, timed.s("timed"))  # a time limit: its runs never take rows
+    _write(dsn, effect.s("routed"), queue="elsewhere")  # not a plain call's options
+    marked = dict(
+        conn.execute(
+            "SELECT payload->'args'->>0, headers ? 'follows' FROM outbox ORDER BY id"
+        ).fetchall()
+    )
+    assert marked == {**{f"e{i}": True for i in range(6)}, "timed": False, "routed": False}
+    # Two sent (the queue it keeps), every row no run would take sent too.
+    assert _hold_claim(conn) == {"e0", "e1", "timed", "routed"}
+    assert _hold_claim(conn) == set()  # its two messages are still queued
+    # One of them began: one more goes, to keep two queued.
+    [e0] = conn.execute(
+        "SELECT id, lease_version FROM outbox WHERE payload->'args'->>0 = 'e0'"
+    ).fetchall()
+    assert store.begin(conn, [LeaseRef(*e0)], needed=timedelta(seconds=1))
+    assert _hold_claim(conn) == {"e2"}
+    # A run's done takes a row the claim left, as it would any due row.
+    done, taken = _done_and_take(conn, LeaseRef(*e0))
+    assert done and taken is not None
+    assert conn.execute(
+        "SELECT payload->'args'->>0 FROM outbox WHERE id = %s", (taken.id,)
+    ).fetchone() == ("e3",)
+    assert _hold_claim(conn) == set()
+    # Rows that waited the hold out go, whatever the queue.
+    assert _hold_claim(conn, hold=timedelta(0)) == {"e4", "e5"}
+
+
+def test_a_claim_without_follow_queue_sends_every_row(dsn, conn) -> None:
+    for i in range(4):
+        _write(dsn, effect.s(f"e{i}"))
+    assert _hold_claim(conn, follow_queue=None) == {f"e{i}" for i in range(4)}
+
+
 def _received(worker: Proc, task_id: str) -> bool:
     """Whether the worker's main process received a message for the task (its log line)."""
     return f"[{task_id}] received" in worker.text()
@@ -820,6 +894,51 @@ def test_a_run_goes_on_with_its_tasks_next_rows_as_the_worker_would(setup) -> No
     assert "Traceback" not in worker.text()
 
 
+def test_a_backlog_within_the_cap_is_mostly_run_by_following(setup) -> None:
+    """A burst far inside the in-flight cap: the claim sends a few of its
+    messages (enough to start the pool), and the runs take the rest as they
+    end, instead of one message a row. Every row once, attempt 1."""
+    s = setup()
+    roomy = s.capped_beat(batch=500, interval=60)
+    worker = s.worker(concurrency=2, **roomy)
+    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {f"c-{i}": write_durable(conn, None, effect.s(f"c-{i}"), {}) for i in range(120)}
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=60, what=lambda: f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    assert all(_row(s.dsn, t)["attempts"] == 1 for t in ids)
+    by_message = [t for t in ids if _received(worker, t)]
+    # The claim keeps 2 x (2 processes x prefetch 1) queued; before, all 120.
+    assert 0 < len(by_message) <= 40, (len(by_message), worker.text()[-3000:])
+
+
+def test_rows_left_for_runs_that_never_take_them_go_after_the_hold(setup) -> None:
+    """A worker whose runs do not follow (a time limit set on its command
+    line, which the producer's app does not know) while the claims leave
+    rows for them: each row waits at most the hold (a quarter of the
+    relay's lease: 13 s / 4) before a claim sends it, and the worker says why.
+    Beat ticks once a minute: the claims are the runs' hints and the wake-up
+    sent for the hold's end."""
+    s = setup()
+    roomy = s.capped_beat(batch=500, interval=60, OUTBOX_LEASE_SECONDS="13")
+    worker = s.procs.worker(concurrency=1, env=roomy, args=("--time-limit", "60"))
+    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    with psycopg.connect(s.dsn) as conn, conn.transaction():
+        results = {f"h-{i}": write_durable(conn, None, effect.s(f"h-{i}"), {}) for i in range(40)}
+    ids = [r.id for r in results.values()]
+    wait_for(lambda: _all_done(s.dsn, ids), timeout=30, what=lambda: f"all done\n{s.logs()}")
+    _assert_once_each(s.dsn, results)
+    assert all(_received(worker, t) for t in ids)  # none run by following
+    [waited] = _rows(
+        s.dsn,
+        "SELECT max(extract(epoch FROM e.at - o.created_at)) FROM outbox o"
+        " JOIN runs e ON e.task_id = o.payload->>'id'",
+    )
+    assert waited[0] < 14, waited  # the hold (3.25 s), a claim and the run, on a busy host
+    assert worker.text().count("but this worker's runs do not") == 1, worker.text()[-3000:]
+
+
 def test_a_worker_killed_in_a_row_it_took_loses_no_task_and_counts_the_attempt(setup) -> None:
     """A row taken with the done before it was begun in that commit: a worker
     killed in its body counts that attempt, and the row runs again, once."""
@@ -852,7 +971,7 @@ def test_a_message_that_waited_long_in_the_queue_runs_alone(setup, owned_redis) 
     s = setup(owned_redis.url)
     s.beat()
     capped = {"OUTBOX_BATCH_SIZE": "5", "OUTBOX_MAX_IN_FLIGHT": "5"}
-    s.worker(s.relay_queue, **capped)  # the relay only: the tasks wait in their queue
+    s.relay_only(**capped)
     with psycopg.connect(s.dsn) as conn, conn.transaction():
         results = {f"w-{i}": write_durable(conn, None, patient.s(f"w-{i}"), {}) for i in range(10)}
     client = owned_redis.client()

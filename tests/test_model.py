@@ -104,6 +104,15 @@ def test_the_model_is_safe_and_every_row_ends_done_or_dead(suite: Any) -> None:
         assert found[("safety", label)].got == "pass", found
 
 
+def test_a_claim_that_leaves_rows_for_following_runs_still_ends_every_row(suite: Any) -> None:
+    """The claim's hold (queries.sql frag_held) where the cap does not
+    already stop the claim: live with its queue rule, not without it."""
+    _, found = suite
+    assert found[("liveness", "hold, cap 2")].got == "pass", found
+    always = found[("liveness", "HOLD_ALWAYS, cap 2")]
+    assert always.got == "fail" and "acceptance cycle" in always.violation, always
+
+
 def test_the_historical_freeze_fails_liveness_and_only_liveness(suite: Any) -> None:
     _, found = suite
     assert found[("safety", "FREEZE_BUG")].got == "pass"

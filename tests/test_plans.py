@@ -196,6 +196,8 @@ def claim_params(ordered: bool | list[str] = False) -> dict[str, Any]:
         "now": None,
         "all_ordered": ordered is True,
         "ordered_types": [] if isinstance(ordered, bool) else ordered,
+        "follow_queue": None,
+        "hold": timedelta(seconds=2),
     }
 
 
@@ -257,6 +259,23 @@ def test_claim_walks_the_ready_index(big: psycopg.Connection[Any]) -> None:
     assert "Seq Scan" not in {kind for kind, _ in outbox_scans(plan)}, describe(plan)
 
 
+@pytest.mark.parametrize("name", ["claim", "claim_parking"])
+def test_a_claim_that_leaves_rows_for_durable_runs_walks_the_live_indexes(
+    big: psycopg.Connection[Any], name: str
+) -> None:
+    """The Celery relay's claim (follow_queue set, queries.sql frag_held):
+    its walk is the ready index still; what it picks to send of a following
+    task's young rows walks the ready index from the hold's start, and its
+    count of queued messages the leased index."""
+    plan = explain(big, getattr(Q, name), {**claim_params(), "follow_queue": 16})
+    assert_walks_only(plan, "CTE ready" if name == "claim" else "CTE walked", "outbox_ready")
+    scans = outbox_scans(plan)
+    live = {"outbox_ready", "outbox_leased", "outbox_pkey", "outbox_unfinished_agg"}
+    assert {index for _, index in scans} <= live, describe(plan)
+    assert {kind for kind, _ in scans} <= {"Index Scan", "Index Only Scan"}, describe(plan)
+    assert "outbox_leased" in {index for _, index in scans}, describe(plan)
+
+
 @pytest.mark.parametrize("ordered", [True, ["order.paid"]], ids=["all-types", "listed"])
 def test_ordered_claim_walks_the_same_indexes_and_probes_unfinished_rows(
     big: psycopg.Connection[Any], ordered: bool | list[str]
@@ -284,8 +303,10 @@ def test_in_flight_count_walks_the_leased_index(big: psycopg.Connection[Any]) ->
 
 def test_next_due_probes_the_ready_index(big: psycopg.Connection[Any]) -> None:
     """The look-up after a claim that was not full (celery/wake.py)."""
-    plan = explain(big, Q.next_due, {"now": None})
-    assert {index for _, index in outbox_scans(plan)} == {"outbox_ready"}, describe(plan)
+    for follow_queue in (None, 16):
+        params = {"now": None, "follow_queue": follow_queue, "hold": timedelta(seconds=2)}
+        plan = explain(big, Q.next_due, params)
+        assert {index for _, index in outbox_scans(plan)} == {"outbox_ready"}, describe(plan)
 
 
 def test_dead_list_reads_the_dead_rows_not_the_table(big: psycopg.Connection[Any]) -> None:
@@ -465,6 +486,8 @@ def test_generic_plans_keep_the_same_paths(big: psycopg.Connection[Any]) -> None
         "content": "false",
         "all_ordered": "false",
         "ordered_types": "'{}'::text[]",
+        "follow_queue": "16",
+        "hold": "'2 seconds'::interval",
         "needed": "'10 seconds'::interval",
         "walk": "200",
         "cap": "1000",

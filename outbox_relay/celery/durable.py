@@ -317,6 +317,28 @@ def plain_options(task: Any) -> str:
     return cached  # type: ignore[no-any-return]
 
 
+def follows(task: Any) -> bool:
+    """Whether ``task``'s runs take its next rows as they end ("following",
+    durable_run): what of it the task's class and app decide, worked out once
+    per task. Not for a task the worker meters (``rate_limit``) or times (a
+    time limit counts from the message, and a row run after it would have
+    less), nor one whose own ``after_return`` might not hand over."""
+    cached = task.__dict__.get("_outbox_follows")
+    if cached is None:
+        conf = task.app.conf
+        cached = not (
+            not getattr(task, "outbox_follow", True)
+            or task.rate_limit
+            or type(task).after_return is not DurableTask.after_return
+            or task.time_limit
+            or task.soft_time_limit
+            or conf.get("task_time_limit")
+            or conf.get("task_soft_time_limit")
+        )
+        task.__dict__["_outbox_follows"] = cached
+    return bool(cached)
+
+
 def row_lease(headers: Mapping[str, Any] | None, default: float) -> float:
     """The lease a durable row is given, from its ``headers``: its own (its
     task's ``outbox_lease_seconds``, written by its producer) or ``default``,
@@ -325,11 +347,15 @@ def row_lease(headers: Mapping[str, Any] | None, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) else default
 
 
-def _row_headers(task: Any) -> dict[str, Any]:
-    """What the relay reads from a durable row: its lease and its attempt limit.
+def _row_headers(task: Any, send_options: Mapping[str, Any]) -> dict[str, Any]:
+    """What the relay reads from a durable row: its lease, its attempt limit,
+    and whether a run of its task would take it (``follows``).
 
     The claim and the rescuer apply the task's own ``max_retries`` + 1 (a
-    worker killed mid-body counts an attempt too), not the relay's limit.
+    worker killed mid-body counts an attempt too), not the relay's limit. A
+    row marked ``follows`` (its task follows, and ``send_options`` are a
+    plain call's: the rows done_and_take_durable takes) may
+    wait in the table for its task's runs (queries.sql, frag_held).
     """
     from .options import annotations_for
 
@@ -341,6 +367,8 @@ def _row_headers(task: Any) -> dict[str, Any]:
     options.update(annotations_for(task.app, task.name))
     retries = options.get("max_retries")
     headers["max_attempts"] = 2**31 - 1 if retries is None else int(retries) + 1
+    if follows(task) and dict(send_options) == json.loads(plain_options(task)):
+        headers["follows"] = True
     return headers
 
 
@@ -372,7 +400,7 @@ def step_message(
         event_type=DURABLE_EVENT,
         payload=payload,
         delay=_delay(name, options),
-        headers=_row_headers(task) if is_durable(task) else {},
+        headers=_row_headers(task, payload["options"]) if is_durable(task) else {},
     )
 
 

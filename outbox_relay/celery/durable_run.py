@@ -35,16 +35,31 @@ from ..model import Claimed, LeaseRef, Outcome
 from ..services.keeper import renewal_period
 from ..services.policy import RetryPolicy, classify_task
 from . import names
-from .durable import HEADER_ID, HEADER_LEASE_VERSION, plain_options, row_lease, write_step
+from .durable import (
+    HEADER_ID,
+    HEADER_LEASE_VERSION,
+    follows,
+    plain_options,
+    row_lease,
+    write_step,
+)
 from .events import Observers
 from .identity import origin_headers
 from .options import annotations_for, retry_policy
 from .sender import argsrepr, kwargsrepr
 
 if TYPE_CHECKING:
+    from ..config import Settings
     from .runtime import Installation, Services
 
-__all__ = ["begin_margin", "current_connection", "lease_from_request", "run", "running"]
+__all__ = [
+    "begin_margin",
+    "current_connection",
+    "follow_hold",
+    "lease_from_request",
+    "run",
+    "running",
+]
 
 log = logging.getLogger("outbox_relay.durable")
 T = TypeVar("T")
@@ -64,6 +79,15 @@ FOLLOW_SECONDS = 0.5
 # messages behind it wait longer still, past their expiry (each message's
 # run would hold its pool process for FOLLOW_SECONDS).
 FOLLOW_WAITED_SHARE = 0.25
+
+
+def follow_hold(settings: Settings) -> timedelta:
+    """How long a claim may leave a following task's due row in the table
+    for its runs to take while its queue is long (store.claim_batch,
+    ``hold``): the share of the relay's lease a message may wait in the
+    queue and still be followed. It bounds what a queue the broker lost, or
+    a worker that does not follow, costs the rows held behind it."""
+    return timedelta(seconds=FOLLOW_WAITED_SHARE * settings.lease_seconds)
 
 
 @dataclass
@@ -300,7 +324,7 @@ def run(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         following = None
     if following is None:
         # This message's run; its after_return runs the rows it takes.
-        following = _may_follow(task)
+        following = _may_follow(task, inst)
         _local.following = following
     with _session(services, inst) as conn:
         if not settings.transaction_pooling:
@@ -328,16 +352,18 @@ def follow_after(task: Any) -> None:
         _give_back(_installation(task), following)
 
 
-def _may_follow(task: Any) -> _Following | None:
+def _may_follow(task: Any, inst: Installation) -> _Following | None:
     """Whether this message's run may take and run its task's next rows.
 
     Not for a task the worker meters (``rate_limit``) or times (a time
-    limit counts from the message, and a row run after it would have less),
-    nor for a call that did not come from a worker's queue, nor for a task
-    whose own ``after_return`` might not hand over to ours."""
+    limit of the task, the call or the worker counts from the message, and a
+    row run after it would have less), nor for a call that did not come from
+    a worker's queue, nor for a task whose own ``after_return`` might not
+    hand over to ours."""
     request = task.request
     if (
-        not _follows(task)
+        not follows(task)
+        or inst.time_limited
         or any(getattr(request, "timelimit", None) or ())
         or getattr(request, "is_eager", False)
         or not getattr(request, "delivery_info", None)
@@ -349,27 +375,6 @@ def _may_follow(task: Any) -> _Following | None:
         "is_eager": False,
     }
     return _Following(time.monotonic() + FOLLOW_SECONDS, template)
-
-
-def _follows(task: Any) -> bool:
-    """What of ``_may_follow`` the task's class and app decide, worked out
-    once per task."""
-    cached = task.__dict__.get("_outbox_follows")
-    if cached is None:
-        from .durable import DurableTask
-
-        conf = task.app.conf
-        cached = not (
-            not getattr(task, "outbox_follow", True)
-            or task.rate_limit
-            or type(task).after_return is not DurableTask.after_return
-            or task.time_limit
-            or task.soft_time_limit
-            or conf.get("task_time_limit")
-            or conf.get("task_soft_time_limit")
-        )
-        task.__dict__["_outbox_follows"] = cached
-    return bool(cached)
 
 
 def _follow(task: Any, following: _Following) -> None:
@@ -567,6 +572,8 @@ def _tracked(
     ):
         following = None  # this message waited long: the queue goes first
     claimed = began.claimed
+    if following is None and claimed.headers.get("follows"):
+        _warn_not_following(task, inst)
     keeper = current.services.keeper_for(lease)
     _local.run = current
     try:
@@ -583,6 +590,26 @@ def _tracked(
     finally:
         _local.run = None
         current.rollback()  # a no-op after a commit; else the effect goes
+
+
+def _warn_not_following(task: Any, inst: Installation) -> None:
+    """Once per task and process: its producer marked its rows as rows a run
+    takes (durable.follows in the producer's app), and this worker's does
+    not follow (a time limit or rate limit set for the worker alone). The
+    claims then leave such rows in the table while the task's queue is long,
+    up to ``follow_hold`` each, for runs that never take them."""
+    if (follows(task) and not inst.time_limited) or task.__dict__.get("_outbox_warned_follow"):
+        return
+    task.__dict__["_outbox_warned_follow"] = True
+    log.warning(
+        "%s: its producer expects its runs to take its next rows as they end "
+        "(outbox_follow), but this worker's runs do not (a time limit or rate limit set "
+        "for the worker alone); while its queue is long, its rows wait up to %.0fs in the "
+        "table before a claim sends them. Set the same limits where the producer "
+        "imports the task, or outbox_follow = False on the task",
+        task.name,
+        follow_hold(inst.settings).total_seconds(),
+    )
 
 
 def _succeeded(

@@ -367,6 +367,9 @@ def _wire_worker(app: Any, inst: Installation, consume: bool) -> None:
         inst.concurrency = int(getattr(instance, "concurrency", None) or 0)
         inst.prefetch_multiplier = int(getattr(instance, "prefetch_multiplier", None) or 0)
         inst.task_events = bool(getattr(instance, "task_events", False))
+        inst.time_limited = bool(
+            getattr(instance, "time_limit", None) or getattr(instance, "soft_time_limit", None)
+        )
         if consume and not inst.explicit_queues:
             # The queue the relay's tasks are routed to (the user's route wins).
             try:

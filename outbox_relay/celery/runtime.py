@@ -57,6 +57,7 @@ from ..services.policy import RetryPolicy
 from . import names
 from .canvas import CANVAS_EVENT_TYPE, CanvasPublisher
 from .durable import is_durable
+from .durable_run import follow_hold
 from .events import Observers, TaskEvents
 from .identity import identity_of
 from .options import annotations_for, retry_policy, time_limits
@@ -277,6 +278,10 @@ class Installation:
         # Whether this worker sends task events (-E): a durable task's run
         # that follows sends them for the rows it runs (durable_run._follow).
         self.task_events = False
+        # Whether this worker has a time limit of its own (--time-limit,
+        # --soft-time-limit, or the app's settings): it counts from the
+        # message, so a run that follows would leave the rows after it less.
+        self.time_limited = False
         # celery/identity.py: read at start (check_database) or at first
         # use; "" when the table has no record to read it from.
         self._identity: str | None = None
@@ -657,6 +662,12 @@ class Installation:
             max_in_flight=s.max_in_flight,
             lease=lease,
             max_attempts=policy.max_attempts,
+            # A durable task's rows wait in the table for its runs to take
+            # (durable_run, following) while this many of its messages are
+            # queued: twice what one worker takes ahead, so that a worker
+            # whose prefetch is full leaves messages for the others.
+            follow_queue=2 * (self.prefetched or 4 * (os.cpu_count() or 1)),
+            hold=follow_hold(s),
         )
         rescuer = Rescuer(db, table=table, max_attempts=policy.max_attempts)
         purger = Purger(

@@ -57,6 +57,8 @@ class Claimer:
         max_in_flight: int | None,
         lease: timedelta,
         max_attempts: int,
+        follow_queue: int | None = None,
+        hold: timedelta = timedelta(0),
     ) -> None:
         self.db = db
         self.table = table
@@ -65,6 +67,9 @@ class Claimer:
         self.max_in_flight = max_in_flight
         self.lease = lease
         self.max_attempts = max_attempts
+        # Durable tasks' rows left for their runs to take (store.claim_batch).
+        self.follow_queue = follow_queue
+        self.hold = hold
 
     def run_once(self, *, min_room: int = 0, contend: bool = True) -> ClaimResult:
         """One claim. ``min_room``: skip it (one count, no lock, no commit) when
@@ -95,6 +100,8 @@ class Claimer:
                 contend=contend,
                 # Under the cap: ordered rows that wait are set aside once.
                 park=self.max_in_flight is not None,
+                follow_queue=self.follow_queue,
+                hold=self.hold,
             ),
             # Never repeat a claim whose COMMIT may have reached the server:
             # the first batch would sit leased with no task to deliver it.
@@ -143,5 +150,10 @@ class Claimer:
 
     def next_due(self) -> float | None:
         """Seconds until the first row that waits for its time (a retry's
-        backoff, a delayed message) falls due; None when none waits."""
-        return self.db.run(lambda conn: store.next_due(conn, table=self.table))
+        backoff, a delayed message) falls due, or one left for its task's
+        runs waits its hold out; None when none waits."""
+        return self.db.run(
+            lambda conn: store.next_due(
+                conn, table=self.table, follow_queue=self.follow_queue, hold=self.hold
+            )
+        )

@@ -185,6 +185,8 @@ def claim_batch(
     now: datetime | None = None,
     contend: bool = True,
     park: bool = False,
+    follow_queue: int | None = None,
+    hold: timedelta = timedelta(0),
 ) -> ClaimBatch:
     """``claim``, saying whether the in-flight cap cut it short.
 
@@ -200,6 +202,14 @@ def claim_batch(
     parked, counted in ``parked`` and ``taken``, instead of being walked
     past again by every claim; ``promote`` (run by ``finalize``) makes them
     due again. A claim that parked rows may lease none while more are due.
+
+    ``follow_queue`` (the Celery relay's claimer): a durable task's row that
+    its runs would take as they end (its producer marked it) is left in the
+    table while its task has that many messages or more sent and not begun,
+    for at most ``hold`` after it fell due (queries.sql, frag_held). Such
+    rows count as neither taken nor capped: the runs take them, or a later
+    claim (a finished run's hint, beat's tick) once the queue runs short or
+    the hold is over. None: every due row is claimed.
 
     Under the cap's lock the live leases are counted first and the claim
     takes at most the room left: a claim that took all of a room smaller
@@ -246,6 +256,8 @@ def claim_batch(
             "count_attempt": 1 if count_attempt else 0,
             "content": content,
             "now": now,
+            "follow_queue": follow_queue,
+            "hold": hold,
             **_ordered_params(ordered),
         }
         rows = conn.execute(q.claim_parking if park else q.claim, params).fetchall()
@@ -716,9 +728,18 @@ def in_flight(
 
 
 def next_due(
-    conn: psycopg.Connection[Any], *, table: TableLike = None, now: datetime | None = None
+    conn: psycopg.Connection[Any],
+    *,
+    table: TableLike = None,
+    now: datetime | None = None,
+    follow_queue: int | None = None,
+    hold: timedelta = timedelta(0),
 ) -> float | None:
-    """Seconds until the first pending row that is not due yet falls due, or None."""
+    """Seconds until the first pending row that is not due yet falls due, or
+    None. With ``follow_queue`` (as ``claim_batch`` was given it), also until
+    the first row a claim may have left for its task's runs waits out its
+    ``hold``."""
+    params = {"now": now, "follow_queue": follow_queue, "hold": hold}
     with statement_tx(conn):
-        row = conn.execute(queries(table).next_due, {"now": now}).fetchone()
+        row = conn.execute(queries(table).next_due, params).fetchone()
     return float(row[0]) if row and row[0] is not None else None
