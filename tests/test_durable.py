@@ -894,6 +894,38 @@ def test_a_run_goes_on_with_its_tasks_next_rows_as_the_worker_would(setup) -> No
     assert "Traceback" not in worker.text()
 
 
+def test_a_row_run_after_another_that_fails_is_retried_with_its_traceback_in_flower(
+    setup,
+) -> None:
+    """A row taken to run after another fails: rescheduled in the database
+    as any run's failure is, and Flower gets its task-retried event with the
+    exception and the traceback the worker logged."""
+    s = setup()
+    one_at_a_time = s.capped_beat(batch=1)
+    worker = s.worker(concurrency=1, events=True, **one_at_a_time)
+    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    with EventTap(_client(s.broker)) as tap:
+        with psycopg.connect(s.dsn) as conn, conn.transaction():
+            ok = write_durable(conn, None, flaky.s("ok", 0), {})
+            bad = write_durable(conn, None, flaky.s("bad", 1), {})
+        wait_for(
+            lambda: _all_done(s.dsn, [ok.id, bad.id]),
+            timeout=60,
+            what=lambda: f"both done\n{s.logs()}",
+        )
+        wait_for(
+            lambda: any(e["uuid"] == bad.id for e in tap.of_type("task-retried")),
+            timeout=30,
+            what=lambda: f"a task-retried event\n{tap.events[-5:]}",
+        )
+    # Two runs of "bad", one message: its first run came after "ok"'s.
+    assert _row(s.dsn, bad.id)["attempts"] == 2
+    assert worker.text().count(f"[{bad.id}] received") == 1, worker.text()[-3000:]
+    [retried] = [e for e in tap.of_type("task-retried") if e["uuid"] == bad.id]
+    assert "Flaky" in retried["exception"], retried
+    assert "Traceback" in retried["traceback"] and "run of bad fails" in retried["traceback"]
+
+
 def test_a_backlog_within_the_cap_is_mostly_run_by_following(setup) -> None:
     """A burst far inside the in-flight cap: the claim sends a few of its
     messages (enough to start the pool), and the runs take the rest as they

@@ -491,14 +491,18 @@ def _traced_event(events: Any, request: dict[str, Any], traced: Any) -> None:
     """The worker's event for how a run ended, from the tracer's answer."""
     if events is None:
         return
-    _, info, runtime, result_repr = traced
+    # For a retry or a failure the tracer's first value is the ExceptionInfo
+    # it logged, whose formatted traceback the worker's events carry too.
+    einfo, info, runtime, result_repr = traced
     if info is None:
         _event(events, "task-succeeded", request, result=result_repr, runtime=runtime)
-    elif info.state == "RETRY":  # rescheduled in the database; Retry wraps the cause
+        return
+    tb = str(getattr(einfo, "traceback", None) or "")
+    if info.state == "RETRY":  # rescheduled in the database; Retry wraps the cause
         exc = getattr(info.retval, "exc", None) or info.retval
-        _event(events, "task-retried", request, exception=repr(exc), traceback="")
+        _event(events, "task-retried", request, exception=repr(exc), traceback=tb)
     else:
-        _event(events, "task-failed", request, exception=repr(info.retval), traceback="")
+        _event(events, "task-failed", request, exception=repr(info.retval), traceback=tb)
 
 
 def _give_back(inst: Installation, following: _Following) -> None:
