@@ -19,7 +19,10 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.model
+# One xdist process runs the module: its fixture runs the whole suite once
+# per process that needs it (three times under make test's -n 3, a minute of
+# both CPUs each, which was the slowest part of CI).
+pytestmark = [pytest.mark.model, pytest.mark.xdist_group("model")]
 
 CHECK = Path(__file__).resolve().parent.parent / "model" / "check.sh"
 

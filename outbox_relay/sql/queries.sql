@@ -889,8 +889,11 @@ RETURNING o.id,
 -- retry's backoff, a delayed message), or until the first row a claim may
 -- have left for its task's runs (frag_follows_young) waits the hold out;
 -- NULL when there is none: probes of the ready index, whatever the table
--- holds (the second walks only the rows due within %(hold)s, a claim's
--- leftovers, and only with %(follow_queue)s set).
+-- holds. The second walks at most the first 256 rows due within %(hold)s
+-- (a claim's leftovers are among them; a backlog of other rows, such as a
+-- chunked relay's at its knee, costs it no more), and only with
+-- %(follow_queue)s set; a row left beyond them waits for a run's claim
+-- hint or beat's tick instead.
 SELECT least(
     (SELECT extract(epoch FROM min(o.available_at) - coalesce(%(now)s::timestamptz, now()))::float8
        FROM {table} AS o
@@ -900,10 +903,16 @@ SELECT least(
         AND o.available_at <= coalesce(%(now)s::timestamptz, now()) + interval '1000 years'),
     (SELECT extract(epoch FROM o.available_at + %(hold)s::interval
                                - coalesce(%(now)s::timestamptz, now()))::float8
-       FROM {table} AS o
-      WHERE o.status = 'pending'
-        AND o.available_at <= coalesce(%(now)s::timestamptz, now())
-        AND {frag_follows_young}
+       FROM (SELECT o.id, o.event_type, o.headers, o.available_at, o.began_version,
+                    o.lease_version
+               FROM {table} AS o
+              WHERE %(follow_queue)s::int IS NOT NULL
+                AND o.status = 'pending'
+                AND o.available_at <= coalesce(%(now)s::timestamptz, now())
+                AND o.available_at > coalesce(%(now)s::timestamptz, now()) - %(hold)s::interval
+              ORDER BY o.available_at, o.id
+              LIMIT 256) AS o
+      WHERE {frag_follows_young}
       ORDER BY o.available_at, o.id
       LIMIT 1));
 
