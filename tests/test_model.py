@@ -9,6 +9,8 @@ explains the model and the figures.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -19,10 +21,7 @@ from typing import Any
 
 import pytest
 
-# One xdist process runs the module: its fixture runs the whole suite once
-# per process that needs it (three times under make test's -n 3, a minute of
-# both CPUs each, which was the slowest part of CI).
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("model")]
+pytestmark = pytest.mark.model
 
 CHECK = Path(__file__).resolve().parent.parent / "model" / "check.sh"
 
@@ -81,11 +80,28 @@ def checks(stdout: str) -> dict[tuple[str, str], Check]:
     return found
 
 
-@pytest.fixture(scope="module")
-def suite() -> tuple[subprocess.CompletedProcess[str], dict[tuple[str, str], Check]]:
+@pytest.fixture(scope="session")
+def suite(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str
+) -> tuple[subprocess.CompletedProcess[str], dict[tuple[str, str], Check]]:
     """model/check.sh as CI and docs/model.md run it: every check once (each
-    check was also run on its own by a test, which doubled the model's time)."""
-    done = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=280)
+    check was also run on its own by a test, which doubled the model's time).
+
+    Once per test run, not once per xdist process: the first process to need
+    it runs it under a lock, in the run's own temporary folder, and the others
+    read its report. Each process ran it before (three times under make
+    test's -n 3, a minute of both CPUs each: the slowest setups of CI)."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent  # this run's folder, one per pytest run
+    report = shared / "model-suite.json"
+    with open(shared / "model-suite.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not report.exists():
+            ran = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=280)
+            report.write_text(json.dumps([ran.returncode, ran.stdout, ran.stderr]))
+        returncode, stdout, stderr = json.loads(report.read_text())
+    done = subprocess.CompletedProcess(["bash", str(CHECK)], returncode, stdout, stderr)
     return done, checks(done.stdout)
 
 
