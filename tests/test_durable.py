@@ -124,6 +124,23 @@ class Setup:
         self.procs.beat(env=settings)
         return settings
 
+    def drain_worker(
+        self,
+        *,
+        batch: int,
+        concurrency: int,
+        events: bool = False,
+        args: tuple[str, ...] = (),
+        **env: str,
+    ) -> Proc:
+        """A worker of the app and the relay under ``capped_beat`` (beat's
+        tick a minute away), once its listener is up: a commit's NOTIFY then
+        starts the drain, and the claims that follow it carry it on."""
+        settings = self.capped_beat(batch=batch, **env)
+        worker = self.procs.worker(concurrency=concurrency, events=events, args=args, env=settings)
+        time.sleep(3)
+        return worker
+
     def logs(self) -> str:
         return self.procs.logs()
 
@@ -418,9 +435,7 @@ def test_a_backlog_of_many_batches_drains_without_waiting_for_beat(setup) -> Non
     the messages' expiry (these tasks' lease is a few seconds) on a busy host.
     """
     s = setup()
-    slow_beat = s.capped_beat(batch=20)
-    s.worker(concurrency=2, **slow_beat)
-    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    s.drain_worker(batch=20, concurrency=2)
     with psycopg.connect(s.dsn) as conn, conn.transaction():
         results = {f"b-{i}": write_durable(conn, None, effect.s(f"b-{i}"), {}) for i in range(300)}
     ids = [r.id for r in results.values()]
@@ -861,9 +876,7 @@ def test_a_run_goes_on_with_its_tasks_next_rows_as_the_worker_would(setup) -> No
     in its process: each once, under its own task id, attempt counted, with
     the events Flower reads, and without a message of its own."""
     s = setup()
-    one_at_a_time = s.capped_beat(batch=1)
-    worker = s.worker(concurrency=1, events=True, **one_at_a_time)
-    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    worker = s.drain_worker(batch=1, concurrency=1, events=True)
     with EventTap(_client(s.broker)) as tap:
         with psycopg.connect(s.dsn) as conn, conn.transaction():
             results = {
@@ -901,9 +914,7 @@ def test_a_row_run_after_another_that_fails_is_retried_with_its_traceback_in_flo
     as any run's failure is, and Flower gets its task-retried event with the
     exception and the traceback the worker logged."""
     s = setup()
-    one_at_a_time = s.capped_beat(batch=1)
-    worker = s.worker(concurrency=1, events=True, **one_at_a_time)
-    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    worker = s.drain_worker(batch=1, concurrency=1, events=True)
     with EventTap(_client(s.broker)) as tap:
         with psycopg.connect(s.dsn) as conn, conn.transaction():
             ok = write_durable(conn, None, flaky.s("ok", 0), {})
@@ -931,9 +942,7 @@ def test_a_backlog_within_the_cap_is_mostly_run_by_following(setup) -> None:
     messages (enough to start the pool), and the runs take the rest as they
     end, instead of one message a row. Every row once, attempt 1."""
     s = setup()
-    roomy = s.capped_beat(batch=500, interval=60)
-    worker = s.worker(concurrency=2, **roomy)
-    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    worker = s.drain_worker(batch=500, concurrency=2)
     with psycopg.connect(s.dsn) as conn, conn.transaction():
         results = {f"c-{i}": write_durable(conn, None, effect.s(f"c-{i}"), {}) for i in range(120)}
     ids = [r.id for r in results.values()]
@@ -953,9 +962,9 @@ def test_rows_left_for_runs_that_never_take_them_go_after_the_hold(setup) -> Non
     Beat ticks once a minute: the claims are the runs' hints and the wake-up
     sent for the hold's end."""
     s = setup()
-    roomy = s.capped_beat(batch=500, interval=60, OUTBOX_LEASE_SECONDS="13")
-    worker = s.procs.worker(concurrency=1, env=roomy, args=("--time-limit", "60"))
-    time.sleep(3)  # the worker's listener is up: the commit's NOTIFY starts the drain
+    worker = s.drain_worker(
+        batch=500, concurrency=1, args=("--time-limit", "60"), OUTBOX_LEASE_SECONDS="13"
+    )
     with psycopg.connect(s.dsn) as conn, conn.transaction():
         results = {f"h-{i}": write_durable(conn, None, effect.s(f"h-{i}"), {}) for i in range(40)}
     ids = [r.id for r in results.values()]

@@ -260,6 +260,21 @@ EXISTS (SELECT 1
  AND o.available_at > coalesce(%(now)s::timestamptz, now()) - %(hold)s::interval
  AND o.began_version IS DISTINCT FROM o.lease_version)
 
+-- name: frag_young_walk
+-- The rows a claim may have left for following runs are among these: the
+-- first 256 pending rows due within %(hold)s, in the claim's order, as a
+-- row source "o" with what frag_follows_young reads. Bounded, so that a
+-- backlog of other rows costs frag_held's pick and next_due's look no more;
+-- empty (one-time filter) with %(follow_queue)s NULL.
+(SELECT o.id, o.event_type, o.headers, o.available_at, o.began_version, o.lease_version
+   FROM {table} AS o
+  WHERE %(follow_queue)s::int IS NOT NULL
+    AND o.status = 'pending'
+    AND o.available_at <= coalesce(%(now)s::timestamptz, now())
+    AND o.available_at > coalesce(%(now)s::timestamptz, now()) - %(hold)s::interval
+  ORDER BY o.available_at, o.id
+  LIMIT 256) AS o
+
 -- name: frag_held
 -- A row o a claim leaves in the table for its task's runs to take: one of
 -- frag_follows_young beyond the first few, as many as keep
@@ -269,20 +284,13 @@ EXISTS (SELECT 1
 -- begin a row: 0.58x the plain UPDATE task) and no run found a row to take.
 -- The queue bounds what is held to what the workers cannot start yet; the
 -- age (%(hold)s) bounds the rest: messages the broker lost, a worker that
--- does not follow. The few sent are the first of a bounded walk (256) of
--- the rows due within %(hold)s, picked once per claim (an InitPlan, run
--- only when the claim meets such a row; the count walks the leased index).
+-- does not follow. The few sent are the first of frag_young_walk, picked
+-- once per claim (an InitPlan, run only when the claim meets such a row;
+-- the count walks the leased index).
 ({frag_follows_young}
  AND NOT o.id = ANY(ARRAY(
        SELECT o.id
-         FROM (SELECT o.id, o.event_type, o.headers, o.available_at, o.began_version,
-                      o.lease_version
-                 FROM {table} AS o
-                WHERE o.status = 'pending'
-                  AND o.available_at <= coalesce(%(now)s::timestamptz, now())
-                  AND o.available_at > coalesce(%(now)s::timestamptz, now()) - %(hold)s::interval
-                ORDER BY o.available_at, o.id
-                LIMIT 256) AS o
+         FROM {frag_young_walk}
         WHERE {frag_follows_young}
         ORDER BY o.available_at, o.id
         LIMIT greatest(0, %(follow_queue)s::int - (
@@ -889,11 +897,9 @@ RETURNING o.id,
 -- retry's backoff, a delayed message), or until the first row a claim may
 -- have left for its task's runs (frag_follows_young) waits the hold out;
 -- NULL when there is none: probes of the ready index, whatever the table
--- holds. The second walks at most the first 256 rows due within %(hold)s
--- (a claim's leftovers are among them; a backlog of other rows, such as a
--- chunked relay's at its knee, costs it no more), and only with
--- %(follow_queue)s set; a row left beyond them waits for a run's claim
--- hint or beat's tick instead.
+-- holds. The second walks frag_young_walk only (unbounded, it walked a
+-- chunked relay's whole backlog at its knee after every short claim); a
+-- row left beyond it waits for a run's claim hint or beat's tick instead.
 SELECT least(
     (SELECT extract(epoch FROM min(o.available_at) - coalesce(%(now)s::timestamptz, now()))::float8
        FROM {table} AS o
@@ -903,15 +909,7 @@ SELECT least(
         AND o.available_at <= coalesce(%(now)s::timestamptz, now()) + interval '1000 years'),
     (SELECT extract(epoch FROM o.available_at + %(hold)s::interval
                                - coalesce(%(now)s::timestamptz, now()))::float8
-       FROM (SELECT o.id, o.event_type, o.headers, o.available_at, o.began_version,
-                    o.lease_version
-               FROM {table} AS o
-              WHERE %(follow_queue)s::int IS NOT NULL
-                AND o.status = 'pending'
-                AND o.available_at <= coalesce(%(now)s::timestamptz, now())
-                AND o.available_at > coalesce(%(now)s::timestamptz, now()) - %(hold)s::interval
-              ORDER BY o.available_at, o.id
-              LIMIT 256) AS o
+       FROM {frag_young_walk}
       WHERE {frag_follows_young}
       ORDER BY o.available_at, o.id
       LIMIT 1));
